@@ -1,0 +1,5 @@
+import sys
+
+from micro_vllm.cli import main
+
+sys.exit(main())

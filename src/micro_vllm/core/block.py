@@ -1,0 +1,137 @@
+"""Logical KV blocks, the free-block queue in eviction order, and the pool that hands them out.
+
+Physical K/V live in the ModelRunner's tensors; here a block is an id, a reference count and, once
+full, a content hash. Block 0 is the null block: it stands in block tables for positions a sliding
+window no longer needs and is never allocated or freed.
+"""
+
+from __future__ import annotations
+
+from micro_vllm.core.prefix_cache import PrefixCache
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: tuple[bytes, int] | None = None  # (hash, group id) once full and cached
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeKVCacheBlockQueue:
+    """Free blocks in eviction order: a doubly linked list, so a cache hit can take a block out of
+    the middle in O(1). Blocks are taken from the front; freed blocks join at the back, so the least
+    recently used cached block is evicted first."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels keep the link updates branch-free
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.prev_free is not None
+
+
+class BlockPool:
+    """All blocks of the cache, shared by every KV cache group; owns the free queue and the prefix
+    cache table, and reports allocations and evictions to an optional listener (the trace)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks} is too small: one block is reserved, one more is needed")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.enable_caching = enable_caching
+        self.prefix_cache = PrefixCache()
+        self.events: list[dict] | None = None  # block-level trace events, when that is turned on
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return len(self.blocks) - 1
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_new_blocks(self, num_blocks: int, request_id: str | None = None) -> list[KVCacheBlock]:
+        if num_blocks > self.free_queue.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks; {self.free_queue.num_free_blocks} free")
+        blocks = [self.free_queue.popleft() for _ in range(num_blocks)]
+        evicted = [b.block_id for b in blocks if b.block_hash is not None and self.prefix_cache.evict(b)]
+        for block in blocks:
+            block.block_hash = None
+            block.ref_cnt = 1
+        self._record("evicted", evicted, request_id)
+        self._record("allocated", [b.block_id for b in blocks], request_id)
+        return blocks
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks a new request reuses, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
+        """Drop a reference on each block; blocks that reach zero join the back of the free queue in
+        the given order (callers pass a request's tail first, so its prefix is evicted last)."""
+        freed = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+                freed.append(block.block_id)
+        self._record("freed", freed, request_id)
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int, request_id: str) -> None:
+        self.prefix_cache.insert(block, block_hash, group_id)
+        self._record("cached", [block.block_id], request_id)
+
+    def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
+        return self.prefix_cache.get(block_hash, group_id)
+
+    def _record(self, kind: str, block_ids: list[int], request_id: str | None) -> None:
+        if self.events is not None and block_ids:
+            self.events.append({"event": kind, "block_ids": block_ids, "request_id": request_id})

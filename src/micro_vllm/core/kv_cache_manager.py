@@ -1,0 +1,112 @@
+"""The logical KV cache: block tables, prefix-cache hits and allocation, across cache groups.
+
+Layers with the same attention spec form a group; one ``SingleTypeKVCacheManager`` per group keeps
+that group's block tables, and this class coordinates them over one shared ``BlockPool`` (vLLM's
+KVCacheCoordinator and KVCacheManager in one place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from micro_vllm.attention.spec import AttentionSpec
+from micro_vllm.core.block import BlockPool, KVCacheBlock
+from micro_vllm.core.cache_group_manager import make_manager
+from micro_vllm.core.prefix_cache import update_block_hashes
+from micro_vllm.core.request import Request
+
+BlocksPerGroup = list[list[KVCacheBlock]]
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    spec: AttentionSpec
+    layer_indices: tuple[int, ...]
+
+
+def make_kv_cache_groups(layer_specs: list[AttentionSpec]) -> list[KVCacheGroup]:
+    """Group layers by spec, in order of first appearance."""
+    layers: dict[AttentionSpec, list[int]] = {}
+    for index, spec in enumerate(layer_specs):
+        layers.setdefault(spec, []).append(index)
+    return [KVCacheGroup(spec, tuple(indices)) for spec, indices in layers.items()]
+
+
+class KVCacheManager:
+    def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.groups = groups
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.managers = [make_manager(g.spec, self.block_pool, block_size, i) for i, g in enumerate(groups)]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        return sum(m.max_blocks_needed(num_tokens, max_chunk_tokens) for m in self.managers)
+
+    def get_computed_blocks(self, request: Request) -> tuple[BlocksPerGroup, int]:
+        """The longest cached prefix of ``request`` that every group can reuse, and its length.
+
+        The last token is never a hit: it must be computed to get the logits of the next one.
+        """
+        if not self.enable_caching:
+            return [[] for _ in self.managers], 0
+        block_hashes = update_block_hashes(request, self.block_size)
+        hit_length = request.num_tokens - 1
+        while True:  # each group may shorten the hit; stop once all agree
+            hits = [m.find_longest_cache_hit(block_hashes, hit_length) for m in self.managers]
+            agreed = min(len(h) for h in hits) * self.block_size
+            if agreed == hit_length or all(len(h) * self.block_size == agreed for h in hits):
+                break
+            hit_length = agreed
+        num_blocks = agreed // self.block_size
+        return [h[:num_blocks] for h in hits], agreed
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: BlocksPerGroup | None = None,
+    ) -> BlocksPerGroup | None:
+        """Reserve blocks for ``num_new_tokens`` more tokens (after any prefix hit), or return None
+        when the pool cannot hold them; nothing changes then."""
+        request_id = request.request_id
+        if new_computed_blocks is None:
+            new_computed_blocks = [[] for _ in self.managers]
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        needed = sum(
+            m.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+            for m, blocks in zip(self.managers, new_computed_blocks)
+        )
+        if needed > self.num_free_blocks:
+            return None
+        for manager, blocks in zip(self.managers, new_computed_blocks):
+            self.block_pool.touch(blocks)
+            manager.save_new_computed_blocks(request_id, blocks)
+        new_blocks = [m.allocate_new_blocks(request_id, num_tokens) for m in self.managers]
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size)
+            for manager in self.managers:
+                manager.cache_blocks(request, num_tokens)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        for manager in self.managers:
+            manager.free(request.request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(b.block_id for b in m.req_to_blocks.get(request_id, ())) for m in self.managers)

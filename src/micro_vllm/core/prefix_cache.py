@@ -1,0 +1,65 @@
+"""Prefix caching: content hashes of full blocks, and the table from hash to cached block.
+
+A block's hash covers its parent's hash and its own token ids, so equal hashes mean equal whole
+prefixes. SHA-256 makes a collision (and so wrong output) practically impossible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from micro_vllm.core.block import KVCacheBlock
+    from micro_vllm.core.request import Request
+
+BlockHash = bytes
+_ROOT_HASH = b"micro-vllm"
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: list[int]) -> BlockHash:
+    data = array("q", token_ids).tobytes()
+    return hashlib.sha256((parent_hash or _ROOT_HASH) + data).digest()
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
+    hashes = request.block_hashes
+    tokens = request.all_token_ids
+    for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, tokens[start : start + block_size]))
+    return hashes
+
+
+class PrefixCache:
+    """Hash -> block for every full block whose K/V may be reused.
+
+    Keys carry the KV cache group, since each group keeps its own K/V for the same tokens. A block
+    stays in the table while it sits in the free queue, and leaves it only when it is reused.
+    """
+
+    def __init__(self) -> None:
+        self._table: dict[tuple[BlockHash, int], KVCacheBlock] = {}
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def get(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
+        return self._table.get((block_hash, group_id))
+
+    def insert(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int) -> None:
+        # If these tokens are cached already (two requests computed them at once), the first block
+        # stays the canonical one; the second is still marked so it is never written again.
+        block.block_hash = (block_hash, group_id)
+        self._table.setdefault((block_hash, group_id), block)
+
+    def evict(self, block: KVCacheBlock) -> bool:
+        """Forget ``block``'s hash before it is reused; True if it was the cached copy."""
+        key = block.block_hash
+        block.block_hash = None
+        if key is not None and self._table.get(key) is block:
+            del self._table[key]
+            return True
+        return False

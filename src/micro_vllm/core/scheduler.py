@@ -1,0 +1,179 @@
+"""Continuous batching, vLLM V1 style: which requests run this step, and how many tokens each.
+
+There is no prefill phase and decode phase. Each step gives every running request what it still
+needs (a decode needs one token, a prompt many), then admits waiting requests, all under
+``max_num_batched_tokens`` and ``max_num_seqs``; a long prompt is cut into chunks. A request that
+cannot get blocks preempts the most recently admitted one, which is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from micro_vllm.config import SchedulerConfig
+from micro_vllm.core.kv_cache_manager import KVCacheManager
+from micro_vllm.core.request import Request, RequestStatus
+from micro_vllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from micro_vllm.outputs import ModelRunnerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, max_model_len: int, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.finished_req_ids: set[str] = set()  # since the last plan; the runner drops them
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def check_fits(self, request: Request) -> None:
+        """Refuse a request that could not run even with the whole cache to itself."""
+        limit = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+        needed = self.kv_cache_manager.max_blocks_needed(limit, self.config.max_num_batched_tokens)
+        if needed > self.kv_cache_manager.num_usable_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit: {limit} tokens need {needed} KV blocks but the "
+                f"cache holds {self.kv_cache_manager.num_usable_blocks}; lower max_model_len or max_tokens, or "
+                f"give the cache more memory"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort); unknown or finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[Request] = []
+
+        # Running requests first, in admission order.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached_reqs.append(
+                CachedRequestData(
+                    request.request_id, tuple(tuple(b.block_id for b in g) for g in new_blocks), request.num_computed_tokens
+                )
+            )
+            index += 1
+
+        # Then waiting requests in arrival order, unless this step already had to preempt.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, num_computed, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=tuple(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=num_computed,
+                )
+            )
+
+        plan = SchedulerOutput(
+            scheduled_new_reqs=tuple(new_reqs),
+            scheduled_cached_reqs=tuple(cached_reqs),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=frozenset(self.finished_req_ids),
+            preempted_req_ids=frozenset(r.request_id for r in preempted),
+        )
+        self.finished_req_ids.clear()
+        return plan
+
+    def update_from_output(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
+        """Advance the scheduled requests by the step's results; return those that finished."""
+        sampled = dict(zip(output.req_ids, output.sampled_token_ids))
+        finished = []
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_tokens
+            for token_id in sampled.get(request_id, ()):
+                request.append_output_token(token_id)
+                if self._check_stop(request):
+                    self.running.remove(request)
+                    self._free(request)
+                    finished.append(request)
+                    break
+        return finished
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        last = request.all_token_ids[-1]
+        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return request.is_finished
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)

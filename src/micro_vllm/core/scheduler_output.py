@@ -1,0 +1,53 @@
+"""The plan of one step: built once by the scheduler, read by the runner, never mutated.
+
+The runner keeps its own per-request state, so the plan carries only what changed: requests that
+join the batch (whole), the deltas of those already there, and who left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from micro_vllm.sampling.params import SamplingParams
+
+BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV cache group
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (it starts over)."""
+
+    req_id: str
+    token_ids: tuple[int, ...]  # prompt plus any output already generated
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: BlockIds
+    num_computed_tokens: int  # tokens served by the prefix cache
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: its new blocks and how far it has been computed."""
+
+    req_id: str
+    new_block_ids: BlockIds
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled_new_reqs: tuple[NewRequestData, ...]
+    scheduled_cached_reqs: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: Mapping[str, int]  # request id -> tokens to compute, in batch order
+    total_num_scheduled_tokens: int
+    finished_req_ids: frozenset[str]  # finished or aborted since the last plan: the runner drops them
+    preempted_req_ids: frozenset[str]  # preempted this step: the runner drops them too
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_scheduled_tokens", MappingProxyType(dict(self.num_scheduled_tokens)))
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,188 @@
+"""The request lifecycle: validate and tokenize, add, step, abort, detokenize.
+
+The Engine wires the layers together once (model, KV cache sizing, scheduler) and then runs the
+step loop: plan -> execute -> update. It owns no scheduling or device logic itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from micro_vllm.config import LLMConfig
+from micro_vllm.core.kv_cache_manager import KVCacheManager, make_kv_cache_groups
+from micro_vllm.core.request import Request, RequestStatus
+from micro_vllm.core.scheduler import Scheduler
+from micro_vllm.core.scheduler_output import SchedulerOutput
+from micro_vllm.engine.output import RequestOutput
+from micro_vllm.executor.single_process import SingleProcessExecutor
+from micro_vllm.model_loader.default import load_hf_config, resolve_model_path
+from micro_vllm.models.registry import get_model_class
+from micro_vllm.sampling.params import SamplingParams
+from micro_vllm.tokenizer import load_tokenizer
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step computed, for progress bars and traces."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class Engine:
+    def __init__(self, config: LLMConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        path = resolve_model_path(model_config.model)
+        hf_config = load_hf_config(path)
+        get_model_class(hf_config)  # fail on an unsupported architecture before loading anything
+        self.max_model_len = _resolve_max_model_len(config, hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.tokenizer = load_tokenizer(Path(model_config.tokenizer) if model_config.tokenizer else path)
+        self.eos_token_ids = _eos_token_ids(path, hf_config, self.tokenizer)
+
+        self.executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
+        groups = make_kv_cache_groups(self.executor.get_attention_specs())
+        self.num_blocks = self.executor.determine_num_blocks(len(groups))
+        self.executor.initialize_kv_cache(groups, self.num_blocks)
+        cache_config = config.cache_config
+        kv_cache_manager = KVCacheManager(
+            groups, self.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
+        self.prompts: dict[str, str | None] = {}
+        self.last_step_stats = StepStats(0, 0)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
+        """Validate and tokenize one prompt; raises before anything is queued."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError(f"prompt {prompt!r} is empty; give at least one token")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room to generate: max_model_len={self.max_model_len} "
+                f"allows prompts of at most {self.max_model_len - 1} tokens"
+            )
+        request = Request(request_id, token_ids, params, self.eos_token_ids)
+        self.scheduler.check_fits(request)
+        self.prompts[request_id] = text
+        return request
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request wherever it is and free its blocks; others are untouched."""
+        aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        return self._make_output(aborted[0]) if aborted else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        self.last_step_stats = self._step_stats(plan)
+        output = self.executor.execute_model(plan)
+        finished = self.scheduler.update_from_output(plan, output)
+        return [self._make_output(r) for r in finished]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _step_stats(self, plan: SchedulerOutput) -> StepStats:
+        decode = 0
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1:
+                decode += num_tokens
+        return StepStats(plan.total_num_scheduled_tokens - decode, decode)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt {prompt!r} is not allowed; a dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but this model has no tokenizer; pass prompt_token_ids instead")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise TypeError(
+            f"prompt {prompt!r} is not allowed; give a string, a list of token ids or {{'prompt_token_ids': [...]}}"
+        )
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        output_ids = request.output_token_ids
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=self.prompts.pop(request.request_id, None),
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=output_ids,
+            output_text=text,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+
+def _resolve_max_model_len(config: LLMConfig, hf_config) -> int:
+    model_limit = getattr(hf_config, "max_position_embeddings", None)
+    requested = config.scheduler_config.max_model_len
+    if requested is None:
+        if model_limit is None:
+            raise ValueError("max_model_len must be given: the model config has no max_position_embeddings")
+        max_model_len = model_limit
+    elif model_limit is not None and requested > model_limit:
+        raise ValueError(
+            f"max_model_len={requested} is not allowed; this model supports at most {model_limit} tokens"
+        )
+    else:
+        max_model_len = requested
+    scheduler_config = config.scheduler_config
+    if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is too small to make progress: "
+            f"without chunked prefill it must be >= max_model_len ({max_model_len})"
+        )
+    return max_model_len
+
+
+def _eos_token_ids(path: Path, hf_config, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (which may list several), else the model config or
+    the tokenizer."""
+    generation_config = path / "generation_config.json"
+    eos = None
+    if generation_config.exists():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])

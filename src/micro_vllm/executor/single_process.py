@@ -1,0 +1,34 @@
+"""How plans reach the device: here, a direct call into one Worker in this process.
+
+The Engine talks only to this interface, so a multi-process or multi-GPU executor can replace it
+without touching the scheduler or the runner.
+"""
+
+from __future__ import annotations
+
+from micro_vllm.attention.spec import AttentionSpec
+from micro_vllm.config import LLMConfig
+from micro_vllm.core.kv_cache_manager import KVCacheGroup
+from micro_vllm.core.scheduler_output import SchedulerOutput
+from micro_vllm.outputs import ModelRunnerOutput
+from micro_vllm.worker.worker import Worker
+
+
+class SingleProcessExecutor:
+    def __init__(self, config: LLMConfig, model_path, hf_config, max_model_len: int) -> None:
+        self.worker = Worker(config, model_path, hf_config, max_model_len)
+
+    def get_attention_specs(self) -> list[AttentionSpec]:
+        return self.worker.model_runner.get_attention_specs()
+
+    def determine_num_blocks(self, num_groups: int) -> int:
+        return self.worker.determine_num_blocks(num_groups)
+
+    def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(groups, num_blocks)
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(plan)
+
+    def shutdown(self) -> None:
+        self.worker = None

@@ -1,0 +1,132 @@
+"""The offline API: prompts in, RequestOutputs out, with a progress bar."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from micro_vllm.config import LLMConfig
+from micro_vllm.engine.engine import Engine, PromptType
+from micro_vllm.engine.output import RequestOutput
+from micro_vllm.sampling.params import SamplingParams
+
+
+class LLM:
+    """Generate text with a model, vLLM style.
+
+    ``LLM(LLMConfig(...))`` or ``LLM(model=path, max_model_len=..., block_size=..., ...)``, where every
+    field of ``ModelConfig``, ``SchedulerConfig`` and ``CacheConfig`` can be given by name.
+    """
+
+    def __init__(self, config: LLMConfig | None = None, *, model: str | None = None, **kwargs: Any) -> None:
+        if config is None:
+            if model is None:
+                raise TypeError("LLM needs an LLMConfig or model=...")
+            config = LLMConfig.from_kwargs(model, **kwargs)
+        elif model is not None or kwargs:
+            raise TypeError("give LLM either an LLMConfig or keywords, not both")
+        self.config = config
+        self.engine: Engine | None = Engine(config)
+        self._request_counter = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self._engine().tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        All prompts are checked before any is queued, so a bad one raises without touching the others.
+        """
+        engine = self._engine()
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        requests = [engine.make_request(str(next(self._request_counter)), p, sp) for p, sp in zip(prompts, params)]
+        for request in requests:
+            engine.add_request(request)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        prefill_tokens = decode_tokens = 0
+        start = time.perf_counter()
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    results[order[output.request_id]] = output
+                    bar.update(1)
+                prefill_tokens += engine.last_step_stats.num_prefill_tokens
+                decode_tokens += engine.last_step_stats.num_decode_tokens
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, decode {decode_tokens / elapsed:.0f} tok/s",
+                                    refresh=False)
+        except BaseException:
+            for request in requests:  # leave the engine clean for the next call
+                engine.abort_request(request.request_id)
+            raise
+        finally:
+            bar.close()
+        return results
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the tokenizer's chat template."""
+        tokenizer = self.tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use generate() with plain prompts")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            # The template already holds any special tokens: encoding must not add them again.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down")
+        return self.engine
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):  # one prompt given as token ids
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(
+            f"sampling_params has {len(params)} entries for {n} prompts; give one SamplingParams or one per prompt"
+        )
+    return params

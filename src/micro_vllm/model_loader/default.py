@@ -1,0 +1,121 @@
+"""Finds a model's files, reads its Hugging Face config, builds the model and streams in its weights.
+
+Weights come only from ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.json``)
+and are copied tensor by tensor into a model already built on the device, so peak host memory stays
+near one tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from micro_vllm.models.registry import get_model_class
+
+# Enough to build the model and its tokenizer; skips *.bin / *.pt / *.gguf copies of the weights.
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local model directory as is; otherwise a Hugging Face Hub id, downloaded (or found cached)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    # Only "name" or "org/name" can be a hub id; anything else was meant as a local path.
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"model={model!r} does not exist: no such local directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=model, allow_patterns=HUB_ALLOW_PATTERNS))
+    except Exception as error:  # offline, unknown repo, gated, malformed id: all mean "not found"
+        raise ValueError(
+            f"model={model!r} does not exist as a local directory and could not be fetched from the "
+            f"Hugging Face Hub ({type(error).__name__}: {error})"
+        ) from error
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    return AutoConfig.from_pretrained(path)
+
+
+def load_model(
+    path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, attention_backend: str
+) -> nn.Module:
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``path``."""
+    model_class = get_model_class(hf_config)
+    files = safetensors_files(Path(path))
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(hf_config, attention_backend)
+    checkpoint_names: set[str] = set()
+    loaded = model.load_weights(_stream(files, checkpoint_names))
+    _check_complete(model, loaded, checkpoint_names)
+    return model.eval()
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / name for name in names]
+        absent = [str(file) for file in files if not file.is_file()]
+        if absent:
+            raise ValueError(f"{index} lists shards that do not exist: {absent}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def _stream(files: list[Path], seen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as reader:
+            for name in reader.keys():
+                seen.add(name)
+                yield name, reader.get_tensor(name)
+
+
+def _check_complete(model: nn.Module, loaded: set[str], checkpoint_names: set[str]) -> None:
+    # A fused parameter counts as loaded after its first piece, so compare the checkpoint tensors
+    # each parameter needs with the names the files held.
+    packed = getattr(model, "packed_modules_mapping", {})
+    needed = {
+        expected
+        for name, _ in model.named_parameters()
+        for expected in _checkpoint_names_for(name, packed)
+    }
+    missing = sorted(needed - checkpoint_names)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights the model needs: {', '.join(missing)}")
+    unloaded = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if unloaded:
+        raise ValueError(f"the checkpoint's tensors did not reach these parameters: {', '.join(unloaded)}")
+
+
+def _checkpoint_names_for(param_name: str, packed: dict[str, tuple[str, ...]]) -> list[str]:
+    module_path, _, attr = param_name.rpartition(".")
+    parent, _, leaf = module_path.rpartition(".")
+    if leaf not in packed:
+        return [param_name]
+    return [f"{parent}.{piece}.{attr}" for piece in packed[leaf]]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

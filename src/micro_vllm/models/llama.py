@@ -1,0 +1,214 @@
+"""Llama, from a Hugging Face ``LlamaConfig``: the decoder stack Mistral and Qwen3 reuse.
+
+Module names follow the checkpoint's, except that q/k/v and gate/up run as one matmul each
+(``packed_modules_mapping`` says which checkpoint tensors fill them). Subclasses change per-layer
+policy (sliding windows, q/k norm) through ``LlamaForCausalLM``'s hooks, not by copying layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from micro_vllm.attention.attention import Attention, AttentionMetadata
+from micro_vllm.layers.activation import SiluAndMul
+from micro_vllm.layers.linear import MergedLinear
+from micro_vllm.layers.norm import RMSNorm
+from micro_vllm.layers.rotary import RotaryEmbedding
+
+
+def head_size_of(hf_config: PretrainedConfig) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, output projection."""
+
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        attention_backend: str,
+        sliding_window: int | None,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        self.head_size = head_size_of(hf_config)
+        self.q_size = num_heads * self.head_size
+        self.kv_size = num_kv_heads * self.head_size
+        bias = getattr(hf_config, "attention_bias", False)
+        hidden_size = hf_config.hidden_size
+        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            num_heads, self.head_size, num_kv_heads, self.head_size**-0.5, attention_backend, sliding_window
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self._norm_heads(self.q_norm, q)
+            k = self._norm_heads(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.unflatten(-1, (-1, self.head_size))).flatten(-2)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        attention_backend: str,
+        sliding_window: int | None,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        hidden_size, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.self_attn = LlamaAttention(hf_config, rotary_emb, attention_backend, sliding_window, qk_norm)
+        mlp_bias = getattr(hf_config, "mlp_bias", False)
+        self.mlp = LlamaMLP(hidden_size, hf_config.intermediate_size, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream travels beside `hidden` and is added inside the next norm, so each
+        # layer returns its sublayer output un-added.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        attention_backend: str,
+        sliding_windows: list[int | None],
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.rotary_emb = RotaryEmbedding.from_hf_config(hf_config, head_size_of(hf_config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, self.rotary_emb, attention_backend, window, qk_norm)
+            for window in sliding_windows
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: list[AttentionMetadata]
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, metadata in zip(self.layers, attn_metadata, strict=True):
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model interface the ModelRunner drives; Mistral and Qwen3 override the two hooks below."""
+
+    # Our fused module -> the checkpoint modules stacked into it, in row order.
+    packed_modules_mapping: dict[str, tuple[str, ...]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+    # Hook: RMSNorm each query/key head before RoPE.
+    qk_norm: bool = False
+
+    @classmethod
+    def sliding_windows(cls, hf_config: PretrainedConfig) -> list[int | None]:
+        """Hook: each decoder layer's sliding window (None = full attention)."""
+        return [None] * hf_config.num_hidden_layers
+
+    def __init__(self, hf_config: PretrainedConfig, attention_backend: str) -> None:
+        super().__init__()
+        hidden_act = getattr(hf_config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported; only 'silu' is")
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, attention_backend, self.sliding_windows(hf_config), self.qk_norm)
+        tied = getattr(hf_config, "tie_word_embeddings", False)
+        # Tied: logits reuse the embedding matrix, so no separate lm_head parameter exists.
+        self.lm_head = None if tied else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: list[AttentionMetadata]
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into our parameters; returns the names of the parameters written.
+
+        Tensors this model has no parameter for (a tied ``lm_head.weight``, old rotary buffers) are
+        skipped; the loader checks that nothing the model needs is missing.
+        """
+        params = dict(self.named_parameters())
+        shard_of = {
+            piece: (fused, index)
+            for fused, pieces in self.packed_modules_mapping.items()
+            for index, piece in enumerate(pieces)
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            module_path, _, param_name = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf in shard_of:
+                fused, index = shard_of[leaf]
+                target = f"{parent}.{fused}"
+                if f"{target}.{param_name}" in params:
+                    self.get_submodule(target).load_shard(index, param_name, tensor)
+                    loaded.add(f"{target}.{param_name}")
+            elif name in params:
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+                loaded.add(name)
+        return loaded

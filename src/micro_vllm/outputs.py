@@ -1,0 +1,14 @@
+"""What the ModelRunner hands back to the scheduler after a step. Plain Python, so the core can read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Sampled tokens per scheduled request. A request whose prompt is still being prefilled in
+    chunks gets no token this step (an empty list)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]

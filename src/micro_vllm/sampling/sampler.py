@@ -1,0 +1,52 @@
+"""Turns the logits of a step into one token per request, on the device, in one batch.
+
+Greedy rows take the argmax. Random rows are scaled by temperature, filtered by top-k / top-p, and
+drawn with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no cumulative sums and
+lets each seeded row draw its noise from its own generator, so its tokens do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # float32 [n]; 0 means greedy
+    top_k: torch.Tensor | None  # int32 [n], 0 = off; None when no row uses it
+    top_p: torch.Tensor | None  # float32 [n], 1 = off; None when no row uses it
+    all_greedy: bool
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its seeded generator
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(-1)
+        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # the top token always stays
+        sorted_logits = sorted_logits.masked_fill(mass_before > top_p.unsqueeze(-1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy
+        temperature = metadata.temperature
+        logits = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in metadata.generators.items():
+            noise[row].exponential_(generator=generator)
+        sampled = probs.div_(noise).argmax(dim=-1)
+        return torch.where(temperature > 0, sampled, greedy)

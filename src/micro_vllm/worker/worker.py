@@ -1,0 +1,106 @@
+"""One device: picks the device, dtype and backend, owns the ModelRunner, and sizes the KV cache."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from micro_vllm.config import LLMConfig
+from micro_vllm.core.kv_cache_manager import KVCacheGroup
+from micro_vllm.core.scheduler_output import SchedulerOutput
+from micro_vllm.outputs import ModelRunnerOutput
+from micro_vllm.worker.model_runner import ModelRunner, RunnerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} is not available: this machine has no CUDA device; use 'cpu'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
+    """'auto' means fp32 on CPU (fast and exact there) and the checkpoint's half type on CUDA (bf16
+    when the checkpoint is fp32)."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def resolve_attention_backend(backend: str | None, device: torch.device) -> str:
+    if backend is not None:
+        return backend
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            return "sdpa"
+    return "sdpa"
+
+
+class Worker:
+    def __init__(self, config: LLMConfig, model_path, hf_config, max_model_len: int) -> None:
+        self.config = config
+        model_config = config.model_config
+        device = resolve_device(model_config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.manual_seed(model_config.seed)
+        self.settings = RunnerSettings(
+            device=device,
+            dtype=resolve_dtype(model_config.dtype, device, hf_config),
+            attention_backend=resolve_attention_backend(model_config.attention_backend, device),
+            max_model_len=max_model_len,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            block_size=config.cache_config.block_size,
+            seed=model_config.seed,
+        )
+        self.model_runner = ModelRunner(self.settings, model_path, hf_config)
+
+    def determine_num_blocks(self, num_groups: int) -> int:
+        """How many KV blocks fit: an explicit ``num_blocks`` wins; on CUDA what is left of
+        ``gpu_memory_utilization`` after a profiling run; on CPU the ``cpu_kv_cache_gib`` budget,
+        capped at what the scheduler could ever use."""
+        cache_config = self.config.cache_config
+        if cache_config.num_blocks is not None:
+            return cache_config.num_blocks
+        bytes_per_block = self.model_runner.kv_cache_bytes_per_block()
+        settings = self.settings
+        if settings.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            self.model_runner.profile_run()
+            torch.cuda.synchronize()
+            activation_peak = torch.cuda.max_memory_allocated() - before
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            available = total * cache_config.gpu_memory_utilization - (total - free) - activation_peak
+            num_blocks = int(available // bytes_per_block)
+            logger.info("KV cache: %d blocks (%.1f GiB)", num_blocks, num_blocks * bytes_per_block / 2**30)
+        else:
+            budget = int(cache_config.cpu_kv_cache_gib * 2**30 // bytes_per_block)
+            blocks_per_seq = -(-settings.max_model_len // settings.block_size)
+            num_blocks = min(budget, settings.max_num_seqs * blocks_per_seq * num_groups + 1)
+        if num_blocks < 2:
+            raise ValueError(
+                f"no room for the KV cache: {num_blocks} blocks fit; raise gpu_memory_utilization or "
+                f"cpu_kv_cache_gib, or lower max_num_batched_tokens"
+            )
+        return num_blocks
+
+    def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(groups, num_blocks)
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(plan)

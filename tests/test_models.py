@@ -1,0 +1,276 @@
+"""Our models against transformers on tiny random checkpoints, plus the loader's error paths."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import FAMILIES, load_hf_reference, make_tiny_model, tiny_config
+
+from micro_vllm.attention.attention import AttentionMetadata
+from micro_vllm.layers.activation import SiluAndMul
+from micro_vllm.layers.norm import RMSNorm
+from micro_vllm.layers.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
+from micro_vllm.model_loader.default import load_hf_config, load_model, resolve_model_path
+from micro_vllm.models.qwen import Qwen3ForCausalLM
+from micro_vllm.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
+
+ATOL = RTOL = 1e-4
+NUM_BLOCKS = 32
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {family: make_tiny_model(family, root) for family in FAMILIES}
+
+
+def prompts_for(seed: int, lengths: tuple[int, ...] = (5, 11, 18)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+class PagedRun:
+    """Drives a model the way the ModelRunner will: own blocks per request, metadata built by hand."""
+
+    def __init__(self, model: torch.nn.Module, num_reqs: int, block_size: int, seed: int = 0) -> None:
+        self.model, self.block_size = model, block_size
+        blocks = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(blocks)  # scattered, so block-table indexing is really exercised
+        per_req = NUM_BLOCKS // num_reqs
+        self.block_table = torch.tensor([blocks[i * per_req : (i + 1) * per_req] for i in range(num_reqs)])
+        self.num_computed = [0] * num_reqs
+        dtype = next(model.parameters()).dtype
+        for attn in model.attention_layers():
+            spec = attn.spec
+            shape = (2, NUM_BLOCKS, block_size, spec.num_kv_heads, spec.head_size)
+            attn.kv_cache = torch.zeros(shape, dtype=dtype)
+
+    def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
+        """Compute the next ``chunks[i]`` tokens of request i; returns each request's logits [len, vocab]."""
+        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        for i, chunk in enumerate(chunks):
+            start = self.num_computed[i]
+            for pos in range(start, start + len(chunk)):
+                block = int(self.block_table[i, pos // self.block_size])
+                slots.append(block * self.block_size + pos % self.block_size)
+            ids += chunk
+            positions += range(start, start + len(chunk))
+            query_lens.append(len(chunk))
+            seq_lens.append(start + len(chunk))
+            self.num_computed[i] += len(chunk)
+        query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        metadata = AttentionMetadata(
+            num_actual_tokens=len(ids),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_t,
+            block_table=self.block_table.to(torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens_t,
+        )
+        num_layers = len(self.model.attention_layers())
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), [metadata] * num_layers)
+            logits = self.model.compute_logits(hidden)
+        return list(logits.split(query_lens))
+
+
+def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([prompt])).logits[0].float()
+
+
+def load_ours(path: Path, backend: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return load_model(path, load_hf_config(path), dtype, torch.device("cpu"), backend)
+
+
+@pytest.mark.parametrize("backend, block_size", [("reference", 4), ("sdpa", 16)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_transformers(model_dirs, family, backend, block_size):
+    path = model_dirs[family]
+    ours, reference = load_ours(path, backend), load_hf_reference(path)
+    prompts = prompts_for(seed=1)
+    logits = PagedRun(ours, len(prompts), block_size).step(prompts)
+    for prompt, got in zip(prompts, logits, strict=True):
+        torch.testing.assert_close(got, hf_logits(reference, prompt), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_then_decode_match_transformers(model_dirs, family):
+    path = model_dirs[family]
+    ours, reference = load_ours(path, "sdpa"), load_hf_reference(path)
+    prompts = prompts_for(seed=2, lengths=(7, 13, 17))
+    run = PagedRun(ours, len(prompts), block_size=4, seed=3)
+    splits = [3, 9, 16]  # the second chunk attends to cached K/V of the first
+    run.step([p[:s] for p, s in zip(prompts, splits, strict=True)])
+    second = run.step([p[s:] for p, s in zip(prompts, splits, strict=True)])
+    for prompt, got in zip(prompts, second, strict=True):
+        torch.testing.assert_close(got[-1], hf_logits(reference, prompt)[-1], atol=ATOL, rtol=RTOL)
+    # One decode step per request, all in one batch.
+    next_tokens = [int(got[-1].argmax()) for got in second]
+    decoded = run.step([[t] for t in next_tokens])
+    for prompt, token, got in zip(prompts, next_tokens, decoded, strict=True):
+        torch.testing.assert_close(got[0], hf_logits(reference, prompt + [token])[-1], atol=ATOL, rtol=RTOL)
+
+
+def test_mistral_window_shorter_than_prompt(model_dirs):
+    path = model_dirs["mistral"]
+    ours, reference = load_ours(path, "reference"), load_hf_reference(path)
+    assert [attn.sliding_window for attn in ours.attention_layers()] == [8, 8]
+    prompt = prompts_for(seed=4, lengths=(27,))[0]
+    got = PagedRun(ours, 1, block_size=4).step([prompt])[0]
+    torch.testing.assert_close(got, hf_logits(reference, prompt), atol=ATOL, rtol=RTOL)
+    # The window must matter here, or the comparison above proves nothing about it.
+    for attn in ours.attention_layers():
+        attn.sliding_window = None
+    full = PagedRun(ours, 1, block_size=4).step([prompt])[0]
+    assert not torch.allclose(full[-1], got[-1], atol=1e-2)
+
+
+def test_qwen3_sliding_window_follows_layer_types(model_dirs):
+    ours = load_ours(model_dirs["qwen3_sliding"], "reference")
+    assert [attn.sliding_window for attn in ours.attention_layers()] == [None, 6]
+    unset = tiny_config("qwen3_sliding", use_sliding_window=False)
+    assert Qwen3ForCausalLM.sliding_windows(unset) == [None, None]
+
+
+def test_tied_and_untied_embeddings(model_dirs):
+    tied_path, untied_path = model_dirs["llama"], model_dirs["llama_untied"]
+    assert "lm_head.weight" not in load_file(tied_path / "model.safetensors")
+    tied, untied = load_ours(tied_path, "reference"), load_ours(untied_path, "reference")
+    assert tied.lm_head is None and "lm_head.weight" not in dict(tied.named_parameters())
+    assert untied.lm_head is not None
+
+
+def test_bf16_build(model_dirs):
+    ours = load_ours(model_dirs["qwen3"], "sdpa", dtype=torch.bfloat16)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    prompts = prompts_for(seed=5, lengths=(6, 9))
+    logits = PagedRun(ours, 2, block_size=4).step(prompts)
+    assert all(x.dtype == torch.float32 and torch.isfinite(x).all() for x in logits)
+
+
+# --- layers ---------------------------------------------------------------------------------------
+
+
+def test_rmsnorm_fused_residual_matches_separate_add():
+    torch.manual_seed(0)
+    norm = RMSNorm(8, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    out, new_residual = norm(x, residual)
+    torch.testing.assert_close(new_residual, x + residual)
+    torch.testing.assert_close(out, norm(x + residual))
+
+
+def test_silu_and_mul():
+    gate_up = torch.randn(4, 6)
+    expected = torch.nn.functional.silu(gate_up[:, :3]) * gate_up[:, 3:]
+    torch.testing.assert_close(SiluAndMul()(gate_up), expected)
+
+
+def test_rope_reads_old_and_new_config_forms():
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+    new = SimpleNamespace(
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, **scaling), max_position_embeddings=64
+    )
+    old = SimpleNamespace(
+        rope_theta=500000.0, rope_scaling=dict(type="llama3", **scaling), max_position_embeddings=64
+    )
+    assert rope_parameters(new) == rope_parameters(old)
+    plain = SimpleNamespace(rope_theta=500000.0, rope_scaling=None, max_position_embeddings=64)
+    assert rope_parameters(plain) == {"rope_type": "default", "rope_theta": 500000.0}
+    scaled = inverse_frequencies(16, rope_parameters(new))
+    unscaled = inverse_frequencies(16, rope_parameters(plain))
+    assert torch.equal(scaled[0], unscaled[0]) and torch.allclose(scaled[-1], unscaled[-1] / 8)
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        inverse_frequencies(16, {"rope_type": "yarn", "rope_theta": 1.0})
+
+
+def test_rope_position_zero_is_identity_and_norm_preserving():
+    rope = RotaryEmbedding(8, 16, {"rope_type": "default", "rope_theta": 10000.0})
+    q, k = torch.randn(3, 16), torch.randn(3, 8)
+    q_rot, k_rot = rope(torch.tensor([0, 5, 15]), q, k)
+    torch.testing.assert_close(q_rot[0], q[0])
+    torch.testing.assert_close(q_rot.view(3, 2, 8).norm(dim=-1), q.view(3, 2, 8).norm(dim=-1))
+    assert k_rot.shape == k.shape
+
+
+# --- loader ---------------------------------------------------------------------------------------
+
+
+def test_registry_maps_each_architecture():
+    pairs = [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen3", "Qwen3ForCausalLM")]
+    for family, architecture in pairs:
+        assert get_model_class(tiny_config(family, architectures=[architecture])).__name__ == architecture
+    assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
+
+
+def test_resolve_model_path(tmp_path, model_dirs):
+    assert resolve_model_path(str(model_dirs["llama"])) == model_dirs["llama"]
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "no-such-model"))
+
+
+def test_resolve_hub_id_offline(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="model='no-org/no-such-model' does not exist"):
+        resolve_model_path("no-org/no-such-model")
+
+
+def test_config_required(tmp_path):
+    with pytest.raises(ValueError, match=f"{tmp_path}.*config.json"):
+        load_hf_config(tmp_path)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    path = make_tiny_model("llama", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["FancyForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FancyForCausalLM") as error:
+        load_ours(path, "reference")
+    assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize(
+    "family, dropped",
+    [
+        ("llama", "model.layers.1.self_attn.k_proj.weight"),  # one piece of a fused qkv_proj
+        ("llama_untied", "lm_head.weight"),
+        ("qwen3", "model.layers.0.self_attn.q_norm.weight"),
+    ],
+)
+def test_missing_weight_is_named(tmp_path, family, dropped):
+    path = make_tiny_model(family, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors[dropped]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=dropped.replace(".", r"\.")):
+        load_ours(path, "reference")
+
+
+def test_no_weights_at_all(tmp_path):
+    path = make_tiny_model("llama", tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        load_ours(path, "reference")
+
+
+def test_sharded_checkpoint_loads(tmp_path, model_dirs):
+    path = make_tiny_model("qwen3_sliding", tmp_path, max_shard_size="64KB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 1
+    sharded, single = load_ours(path, "reference"), load_ours(model_dirs["qwen3_sliding"], "reference")
+    for (name, a), (_, b) in zip(sharded.state_dict().items(), single.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

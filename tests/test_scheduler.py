@@ -1,0 +1,125 @@
+import pytest
+
+from core_helpers import make_request, make_scheduler, fake_output, run_to_completion
+
+
+def test_chunked_prefill_respects_token_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    request = make_request(20, max_tokens=2)
+    scheduler.add_request(request)
+    chunks = []
+    while request.num_output_tokens == 0:
+        plan = scheduler.schedule()
+        chunks.append(plan.num_scheduled_tokens[request.request_id])
+        assert plan.total_num_scheduled_tokens <= 8
+        scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    assert chunks == [8, 8, 4]
+    assert request.num_computed_tokens == 20 and request.num_tokens == 21
+
+
+def test_decodes_and_prefill_chunks_share_a_step():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    first = make_request(6, max_tokens=5)
+    scheduler.add_request(first)
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    second = make_request(30, max_tokens=5)
+    scheduler.add_request(second)
+    plan = scheduler.schedule()
+    assert dict(plan.num_scheduled_tokens) == {first.request_id: 1, second.request_id: 9}
+    assert [r.req_id for r in plan.scheduled_new_reqs] == [second.request_id]
+    assert [r.req_id for r in plan.scheduled_cached_reqs] == [first.request_id]
+
+
+def test_max_num_seqs_limits_running_requests():
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=100)
+    requests = [make_request(5, max_tokens=3) for _ in range(4)]
+    for r in requests:
+        scheduler.add_request(r)
+    plan = scheduler.schedule()
+    assert list(plan.num_scheduled_tokens) == [requests[0].request_id, requests[1].request_id]
+    finished = run_to_completion(scheduler, check=lambda s, p: len(s.running) <= 2)
+    assert {r.request_id for r in finished} >= {r.request_id for r in requests[2:]}
+
+
+def test_plan_is_immutable():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request(5))
+    plan = scheduler.schedule()
+    with pytest.raises(Exception):
+        plan.total_num_scheduled_tokens = 3
+    with pytest.raises(TypeError):
+        plan.num_scheduled_tokens["x"] = 1
+
+
+def test_all_blocks_free_after_all_requests_finish():
+    scheduler = make_scheduler(num_blocks=40, max_num_batched_tokens=16)
+    for n in (3, 17, 9, 30, 1):
+        scheduler.add_request(make_request(n, max_tokens=6))
+    finished = run_to_completion(scheduler)
+    assert len(finished) == 5
+    assert all(r.num_output_tokens == 6 and r.finish_reason == "length" for r in finished)
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks[1:])
+
+
+def test_stop_conditions():
+    scheduler = make_scheduler(max_model_len=12)
+    eos = make_request(4, max_tokens=10)
+    eos.sampling_params = eos.sampling_params.__class__(max_tokens=10)  # honours EOS (token 0 here)
+    capped = make_request(8, max_tokens=100)
+    stop = make_request(4, max_tokens=10, stop_token_ids=[5])
+    for r in (eos, capped, stop):
+        scheduler.add_request(r)
+    plan = scheduler.schedule()
+    outputs = {eos.request_id: [0], capped.request_id: [3], stop.request_id: [5]}
+    from micro_vllm.outputs import ModelRunnerOutput
+    finished = scheduler.update_from_output(plan, ModelRunnerOutput(list(outputs), list(outputs.values())))
+    assert {r.request_id: r.finish_reason for r in finished} == {eos.request_id: "stop", stop.request_id: "stop"}
+    run_to_completion(scheduler)
+    assert capped.finish_reason == "length" and capped.num_tokens == 12
+
+
+def test_request_that_can_never_fit_is_refused():
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="can never fit"):
+        scheduler.add_request(make_request(10, max_tokens=40))
+    scheduler.add_request(make_request(10, max_tokens=6))  # 16 tokens = 4 blocks fits
+
+
+def test_preemption_recomputes_and_finishes_everything():
+    # Room for one request of 16 tokens at a time (4 blocks of 4), many requests.
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, max_model_len=16)
+    requests = [make_request(list(range(i, i + 6)), max_tokens=10) for i in range(5)]
+    for r in requests:
+        scheduler.add_request(r)
+    preempted = set()
+
+    def check(s, plan):
+        preempted.update(plan.preempted_req_ids)
+        kv = s.kv_cache_manager
+        assert kv.num_free_blocks + sum(b.ref_cnt > 0 for b in kv.block_pool.blocks[1:]) == kv.num_usable_blocks
+
+    finished = run_to_completion(scheduler, check=check)
+    assert sorted(r.request_id for r in finished) == sorted(r.request_id for r in requests)
+    assert preempted, "this workload must preempt"
+    assert all(r.num_output_tokens == 10 for r in finished)
+
+
+def test_abort_frees_blocks_and_leaves_others():
+    from micro_vllm.core.request import RequestStatus
+
+    scheduler = make_scheduler()
+    a, b = make_request(10, max_tokens=5), make_request(10, max_tokens=5)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    scheduler.finish_requests([a.request_id], RequestStatus.FINISHED_ABORTED)
+    assert a.finish_reason == "abort"
+    assert scheduler.schedule().finished_req_ids == {a.request_id}
+    run_to_completion(scheduler)
+    assert b.num_output_tokens == 5
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_usable_blocks
