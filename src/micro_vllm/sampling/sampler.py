@@ -36,6 +36,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator  # for rows without a seed of their own
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
@@ -45,7 +48,7 @@ class Sampler:
         if metadata.top_k is not None or metadata.top_p is not None:
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():
             noise[row].exponential_(generator=generator)
         sampled = probs.div_(noise).argmax(dim=-1)

@@ -1,5 +1,5 @@
 """Executes plans on one device: keeps the persistent batch and the physical KV tensors, builds each
-step's input tensors, runs the model and samples.
+step's input tensors, runs the model (through a CUDA graph when the step is all decodes) and samples.
 
 The runner never sees Request objects: it learns everything from the plan's deltas and keeps the
 rest itself.
@@ -7,6 +7,7 @@ rest itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,8 @@ from micro_vllm.outputs import ModelRunnerOutput
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
 from micro_vllm.worker.input_batch import InputBatch
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RunnerSettings:
@@ -34,10 +37,31 @@ class RunnerSettings:
     max_num_batched_tokens: int
     block_size: int
     seed: int
+    use_cuda_graphs: bool
+
+
+class StagedBuffer:
+    """A host buffer and its device twin, allocated once. Steps fill the host side with numpy and
+    copy the used prefix over without blocking; on CPU both sides are the same tensor. Reusing the
+    host side is safe because every step ends by reading its sampled tokens back, which waits for
+    the copies."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.np = self.cpu.numpy()
+        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
+
+    def copy_to_device(self, n: int) -> torch.Tensor:
+        if self.device is not self.cpu:
+            self.device[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.device[:n]
 
 
 @dataclass
 class StepInputs:
+    num_reqs: int
+    num_tokens: int
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: list[AttentionMetadata]  # one per decoder layer
@@ -50,12 +74,10 @@ class ModelRunner:
         self.settings = settings
         self.device = settings.device
         self.model = load_model(model_path, hf_config, settings.dtype, settings.device, settings.attention_backend)
-        self.vocab_size = hf_config.vocab_size
-        self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
-        self.kv_cache_groups: list[KVCacheGroup] = []
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(settings.seed))
         self.layer_group: list[int] = []  # decoder layer -> its KV cache group
         self.input_batch: InputBatch | None = None
+        self.cuda_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, output
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -70,24 +92,38 @@ class ModelRunner:
         )
 
     def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
-        """Allocate each layer's paged K/V tensor and the persistent batch sized for it."""
-        self.kv_cache_groups = groups
-        num_layers = len(self.model.attention_layers())
-        self.layer_group = [0] * num_layers
+        """Allocate each layer's paged K/V tensor, the persistent batch and the step buffers; then
+        capture CUDA graphs."""
+        settings = self.settings
+        self.layer_group = [0] * len(self.model.attention_layers())
         for group_id, group in enumerate(groups):
             for layer_index in group.layer_indices:
                 self.layer_group[layer_index] = group_id
-        block_size = self.settings.block_size
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(
-                2, num_blocks, block_size, layer.num_kv_heads, layer.head_size,
-                dtype=self.settings.dtype, device=self.device,
+                2, num_blocks, settings.block_size, layer.num_kv_heads, layer.head_size,
+                dtype=settings.dtype, device=self.device,
             )
             # Every slot is written before it is read, except the null block that stands in for
-            # positions outside a sliding window: masked, but multiplied by zero, so it must hold no NaN.
+            # positions outside a sliding window (and pads CUDA-graph batches): masked, but multiplied
+            # by zero, so it must hold no NaN.
             layer.kv_cache[:, 0].zero_()
-        max_blocks = -(-self.settings.max_model_len // block_size)
-        self.input_batch = InputBatch(self.settings.max_num_seqs, self.settings.max_model_len, [max_blocks] * len(groups))
+        max_blocks = -(-settings.max_model_len // settings.block_size)
+        max_reqs, max_tokens = settings.max_num_seqs, max(settings.max_num_batched_tokens, settings.max_num_seqs)
+        self.input_batch = InputBatch(max_reqs, settings.max_model_len, [max_blocks] * len(groups))
+        staged = lambda *shape, dtype=torch.int32: StagedBuffer(shape, dtype, self.device)  # noqa: E731
+        self.input_ids = staged(max_tokens, dtype=torch.int64)
+        self.positions = staged(max_tokens, dtype=torch.int64)
+        self.query_start_loc = staged(max_reqs + 1)
+        self.seq_lens = staged(max_reqs)
+        self.logits_indices = staged(max_reqs, dtype=torch.int64)
+        self.block_tables = [staged(max_reqs, max_blocks) for _ in groups]
+        self.slot_mappings = [staged(max_tokens, dtype=torch.int64) for _ in groups]
+        self.temperature = staged(max_reqs, dtype=torch.float32)
+        self.top_k = staged(max_reqs)
+        self.top_p = staged(max_reqs, dtype=torch.float32)
+        if settings.use_cuda_graphs:
+            self.capture_cuda_graphs()
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -98,7 +134,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         req_ids = list(plan.num_scheduled_tokens)
         inputs = self._prepare_inputs(plan, req_ids)
-        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        hidden_states = self._run_model(inputs)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         sample_req_ids = [req_ids[i] for i in inputs.sample_rows]
         sampled = self.sampler(logits, self._sampling_metadata(sample_req_ids)).tolist()
@@ -125,7 +161,8 @@ class ModelRunner:
         num_reqs = len(req_ids)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, num_reqs)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int32, num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, np.int32)
+        query_start_loc = self.query_start_loc.np[: num_reqs + 1]
+        query_start_loc[0] = 0
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
 
@@ -133,52 +170,89 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
         offsets = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], num_scheduled)
         num_computed = batch.num_computed_tokens[rows]
-        positions = num_computed[req_of_token] + offsets
-        token_rows = rows[req_of_token]
-        input_ids = batch.token_ids[token_rows, positions]
-        seq_lens = (num_computed + num_scheduled).astype(np.int32)
+        positions = self.positions.np[:num_tokens]
+        np.add(num_computed[req_of_token], offsets, out=positions)
+        self.input_ids.np[:num_tokens] = batch.token_ids[rows[req_of_token], positions]
+        seq_lens = self.seq_lens.np[:num_reqs]
+        np.add(num_computed, num_scheduled, out=seq_lens)
 
-        to_device = self._to_device
-        query_start_loc_t = torch.from_numpy(query_start_loc)
-        seq_lens_t = torch.from_numpy(seq_lens)
-        common = dict(
-            num_actual_tokens=num_tokens,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=to_device(query_start_loc_t),
-            seq_lens=to_device(seq_lens_t),
-            query_start_loc_cpu=query_start_loc_t,
-            seq_lens_cpu=seq_lens_t,
-        )
         block_size = self.settings.block_size
-        group_metadata = []
-        for table in batch.block_tables:
-            step_table = table[rows]
-            slots = step_table[np.arange(num_reqs)[req_of_token], positions // block_size].astype(np.int64)
-            slots = slots * block_size + positions % block_size
-            group_metadata.append(
-                AttentionMetadata(
-                    block_table=to_device(torch.from_numpy(step_table)),
-                    slot_mapping=to_device(torch.from_numpy(slots)),
-                    **common,
-                )
-            )
+        block_index, block_offset = np.divmod(positions, block_size)
+        for table, block_table, slot_mapping in zip(batch.block_tables, self.block_tables, self.slot_mappings):
+            step_table = block_table.np[:num_reqs]
+            np.take(table, rows, axis=0, out=step_table)
+            np.add(step_table[req_of_token, block_index] * block_size, block_offset, out=slot_mapping.np[:num_tokens])
+
         # Only requests whose every known token is now computed produce a next token.
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[rows])[0]
+        num_samples = len(sample_rows)
+        np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
         return StepInputs(
-            input_ids=to_device(torch.from_numpy(input_ids.astype(np.int64))),
-            positions=to_device(torch.from_numpy(positions.astype(np.int64))),
-            attn_metadata=[group_metadata[g] for g in self.layer_group],
-            logits_indices=to_device(torch.from_numpy(query_start_loc[1:][sample_rows].astype(np.int64) - 1)),
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            input_ids=self.input_ids.copy_to_device(num_tokens),
+            positions=self.positions.copy_to_device(num_tokens),
+            attn_metadata=self._attention_metadata(
+                num_reqs, num_tokens, int(num_scheduled.max()), int(seq_lens.max())
+            ),
+            logits_indices=self.logits_indices.copy_to_device(num_samples),
             sample_rows=sample_rows,
         )
 
+    def _attention_metadata(
+        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int
+    ) -> list[AttentionMetadata]:
+        """Copy the staged step inputs to the device and wrap them per KV cache group."""
+        query_start_loc = self.query_start_loc.copy_to_device(num_reqs + 1)
+        seq_lens = self.seq_lens.copy_to_device(num_reqs)
+        per_group = [
+            AttentionMetadata(
+                num_actual_tokens=num_tokens,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_table=block_table.copy_to_device(num_reqs),
+                slot_mapping=slot_mapping.copy_to_device(num_tokens),
+                query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
+                seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+            )
+            for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings)
+        ]
+        return [per_group[g] for g in self.layer_group]
+
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
+        graph_size = self._graph_size(inputs)
+        if graph_size is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        # All decodes: pad to the captured size with dummy requests that read the null block and
+        # write nowhere, then replay. The graph reads the step buffers the inputs were copied into.
+        n = inputs.num_reqs
+        self.query_start_loc.device[n + 1 : graph_size + 1] = torch.arange(
+            n + 1, graph_size + 1, dtype=torch.int32, device=self.device
+        )
+        self.seq_lens.device[n:graph_size] = 1
+        self.input_ids.device[n:graph_size] = 0
+        self.positions.device[n:graph_size] = 0
+        for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings):
+            block_table.device[n:graph_size] = 0
+            slot_mapping.device[n:graph_size] = -1
+        graph, hidden_states = self.cuda_graphs[graph_size]
+        graph.replay()
+        return hidden_states[:n]
+
+    def _graph_size(self, inputs: StepInputs) -> int | None:
+        if not self.cuda_graphs or inputs.num_tokens != inputs.num_reqs:
+            return None
+        return next((size for size in sorted(self.cuda_graphs) if size >= inputs.num_reqs), None)
+
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
         batch = self.input_batch
-        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, len(req_ids))
-        temperature = batch.temperature[rows]
-        top_k = batch.top_k[rows]
-        top_p = batch.top_p[rows]
+        n = len(req_ids)
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, n)
+        temperature = np.take(batch.temperature, rows, out=self.temperature.np[:n])
+        top_k = np.take(batch.top_k, rows, out=self.top_k.np[:n])
+        top_p = np.take(batch.top_p, rows, out=self.top_p.np[:n])
         generators = {}
         for i, row in enumerate(rows):
             params = batch.sampling_params[row]
@@ -189,24 +263,64 @@ class ModelRunner:
                 seed = hash((params.seed, position)) & (2**63 - 1)
                 generators[i] = torch.Generator(device=self.device).manual_seed(seed)
         return SamplingMetadata(
-            temperature=self._to_device(torch.from_numpy(temperature)),
-            top_k=self._to_device(torch.from_numpy(top_k)) if top_k.any() else None,
-            top_p=self._to_device(torch.from_numpy(top_p)) if (top_p < 1).any() else None,
+            temperature=self.temperature.copy_to_device(n),
+            top_k=self.top_k.copy_to_device(n) if top_k.any() else None,
+            top_p=self.top_p.copy_to_device(n) if (top_p < 1).any() else None,
             all_greedy=bool((temperature == 0).all()),
             generators=generators,
         )
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+    # -- CUDA graphs ---------------------------------------------------------------------------
+
+    def cuda_graph_sizes(self) -> list[int]:
+        limit = self.settings.max_num_seqs
+        sizes = [1, 2, 4, 8] + list(range(16, limit + 1, 16))
+        return sorted({s for s in sizes if s <= limit} | {limit})
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture one graph per decode batch size, largest first so smaller ones reuse its memory.
+
+        A graph bakes in its kernels and buffer addresses, not sequence lengths: the attention backend
+        reads those from the device, so one graph serves every decode step of its size."""
+        pool = None
+        for size in reversed(self.cuda_graph_sizes()):
+            self.query_start_loc.device[: size + 1] = torch.arange(size + 1, dtype=torch.int32, device=self.device)
+            self.seq_lens.device[:size] = 1
+            for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings):
+                block_table.device[:size] = 0
+                slot_mapping.device[:size] = -1
+            metadata = [
+                AttentionMetadata(
+                    num_actual_tokens=size,
+                    max_query_len=1,
+                    max_seq_len=self.settings.max_model_len,
+                    query_start_loc=self.query_start_loc.device[: size + 1],
+                    seq_lens=self.seq_lens.device[:size],
+                    block_table=self.block_tables[g].device[:size],
+                    slot_mapping=self.slot_mappings[g].device[:size],
+                    query_start_loc_cpu=self.query_start_loc.cpu[: size + 1],
+                    seq_lens_cpu=self.seq_lens.cpu[:size],
+                )
+                for g in self.layer_group
+            ]
+            args = (self.input_ids.device[:size], self.positions.device[:size], metadata)
+            self.model(*args)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden_states = self.model(*args)
+            pool = graph.pool()
+            self.cuda_graphs[size] = (graph, hidden_states)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", sorted(self.cuda_graphs))
 
     # -- memory profiling ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """Run the largest step the scheduler can produce, without a KV cache, to measure peak
-        activation memory."""
+        """Run the largest step the scheduler can produce, with a one-block KV cache, to measure
+        peak activation memory."""
         settings = self.settings
         num_tokens = settings.max_num_batched_tokens
         num_reqs = min(settings.max_num_seqs, num_tokens)
@@ -217,14 +331,15 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.zeros(2, 1, settings.block_size, layer.num_kv_heads, layer.head_size,
                                          dtype=settings.dtype, device=self.device)
-        max_blocks = -(-int(query_lens.max()) // settings.block_size)
         metadata = AttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=int(query_lens.max()),
             max_seq_len=int(query_lens.max()),
             query_start_loc=query_start_loc.to(self.device),
             seq_lens=seq_lens.to(self.device),
-            block_table=torch.zeros(num_reqs, max_blocks, dtype=torch.int32, device=self.device),
+            # Every position reads block 0: the values are garbage, the memory use is real.
+            block_table=torch.zeros(num_reqs, -(-int(query_lens.max()) // settings.block_size),
+                                    dtype=torch.int32, device=self.device),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,

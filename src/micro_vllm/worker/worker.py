@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from micro_vllm.attention.operators.registry import get_backend
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
@@ -55,15 +56,19 @@ class Worker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.manual_seed(model_config.seed)
+        backend = resolve_attention_backend(model_config.attention_backend, device)
+        # Graphs need a backend that reads step sizes from the device, not from the host.
+        use_graphs = device.type == "cuda" and not model_config.enforce_eager and get_backend(backend).cuda_graph_safe
         self.settings = RunnerSettings(
             device=device,
             dtype=resolve_dtype(model_config.dtype, device, hf_config),
-            attention_backend=resolve_attention_backend(model_config.attention_backend, device),
+            attention_backend=backend,
             max_model_len=max_model_len,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             block_size=config.cache_config.block_size,
             seed=model_config.seed,
+            use_cuda_graphs=use_graphs,
         )
         self.model_runner = ModelRunner(self.settings, model_path, hf_config)
 

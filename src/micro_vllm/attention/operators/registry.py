@@ -20,6 +20,9 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # True when forward reads per-step sizes only from device tensors, so a CUDA graph captured for
+    # one decode batch replays correctly for any context lengths.
+    cuda_graph_safe: bool = False
 
     @abstractmethod
     def write_kv(

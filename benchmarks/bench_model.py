@@ -1,0 +1,42 @@
+"""The benchmark model of ../shared/benchmarks.md: Qwen3-0.6B's architecture with random bf16 weights.
+
+Throughput does not depend on weight values when every request ignores EOS, so a random model built
+from the config stands in for the real one on a machine without a hub.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+QWEN3_0_6B = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1000000, rms_norm_eps=1e-6, tie_word_embeddings=True,
+)
+
+
+def build_random_model(directory: Path | None = None, **overrides) -> Path:
+    """Write a random Qwen3-0.6B-shaped bf16 checkpoint and return its directory."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    directory = Path(directory or tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
+    config = Qwen3Config(**{**QWEN3_0_6B, **overrides})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    return directory
+
+
+def recipe_requests(num_requests: int = 256, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """The recipe's prompts and output lengths, drawn in its order."""
+    import random
+
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_requests)]
+    max_tokens = [random.randint(100, 1024) for _ in range(num_requests)]
+    return prompts, max_tokens

@@ -1,0 +1,104 @@
+"""Offline throughput on the recipe of ../shared/benchmarks.md (nano-vllm's bench).
+
+    python benchmarks/throughput.py                      # random Qwen3-0.6B-shaped model
+    python benchmarks/throughput.py --model DIR --compare-hf 16
+
+Prints output tokens, seconds and output tokens per second; with ``--compare-hf N`` it also runs
+transformers' continuous batching on the first N requests in the same process, and micro-vLLM on the
+same N requests, so the two figures come from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from bench_model import build_random_model, recipe_requests
+from micro_vllm import LLM, SamplingParams
+
+
+def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[int, float]:
+    params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True) for n in max_tokens]
+    _sync()
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _sync()
+    seconds = time.perf_counter() - start
+    return sum(len(o.output_token_ids) for o in outputs), seconds
+
+
+def run_transformers(model_dir, prompts, max_new_tokens: int, temperature: float) -> tuple[int, float]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa", device_map="cuda"
+    )
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                              eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=prompts[:1], generation_config=config)  # warm-up
+    _sync()
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=prompts, generation_config=config)
+    _sync()
+    seconds = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return sum(len(o.generated_tokens) for o in outputs.values()), seconds
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (default: random Qwen3-0.6B-shaped bf16 model)")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs of the whole recipe")
+    parser.add_argument("--compare-hf", type=int, default=0, metavar="N", help="also run transformers on N requests")
+    parser.add_argument("--hf-max-tokens", type=int, default=128, help="output tokens per request in the comparison")
+    parser.add_argument("--json", help="append the results as one JSON line to this file")
+    args = parser.parse_args()
+
+    model_dir = args.model or str(build_random_model())
+    prompts, max_tokens = recipe_requests(args.num_requests)
+    engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                         attention_backend=args.attention_backend).items() if v is not None}
+    start = time.perf_counter()
+    llm = LLM(model=model_dir, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, **engine_args)
+    startup = time.perf_counter() - start
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
+
+    results = {"startup_s": round(startup, 1), "num_blocks": llm.engine.num_blocks, "runs": []}
+    for _ in range(args.repeat):
+        tokens, seconds = run_micro_vllm(llm, prompts, max_tokens, args.temperature)
+        results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds)})
+        print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s")
+
+    if args.compare_hf:
+        n, budget = args.compare_hf, args.hf_max_tokens
+        tokens, seconds = run_micro_vllm(llm, prompts[:n], [budget] * n, args.temperature)
+        results["compare_micro_vllm"] = {"requests": n, "output_tokens": tokens, "seconds": round(seconds, 3)}
+        print(f"micro-vllm on {n} requests x {budget} tokens: {tokens / seconds:,.0f} tok/s ({seconds:.2f} s)")
+        llm.shutdown()
+        torch.cuda.empty_cache()
+        tokens, seconds = run_transformers(model_dir, prompts[:n], budget, args.temperature)
+        results["compare_transformers"] = {"requests": n, "output_tokens": tokens, "seconds": round(seconds, 3)}
+        print(f"transformers on {n} requests x {budget} tokens: {tokens / seconds:,.0f} tok/s ({seconds:.2f} s)")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"benchmark": "throughput", **vars(args), **results}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The one command a developer sends to the GPU machine: GPU tests, then the benchmarks.
+#   bash scripts/gpu_check.sh [tests] [throughput] [latency] [eager]     (default: all of them)
+# Logs and a results table go under $OUT when it is set (the device tool's output folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+stages=${*:-tests throughput latency eager}
+status=0
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
+
+for stage in $stages; do
+  echo "=== $stage"
+  case $stage in
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    throughput) python3 benchmarks/throughput.py --compare-hf 16 --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/throughput.log" || status=1 ;;
+    latency) python3 benchmarks/latency.py --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/latency.log" || status=1 ;;
+    eager) python3 benchmarks/throughput.py --enforce-eager --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/eager.log" || status=1 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+echo "=== results"; cat "$OUT/results.jsonl" 2>/dev/null
+exit $status
