@@ -1,8 +1,14 @@
-"""The ``micro-vllm`` command: generate text from the command line."""
+"""The ``micro-vllm`` command: generate text, and read the traces a run writes.
+
+``micro-vllm generate`` runs prompts (``--trace FILE`` records the run); ``micro-vllm trace
+summarize | plot | export FILE`` turn a trace into figures, a picture, or a Chrome/Perfetto trace.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
 from micro_vllm.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -24,18 +30,24 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--no-chat", action="store_true", help="send prompts as they are, without the chat template")
+    p.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace of every engine step to FILE")
+    p.add_argument("--trace-level", choices=["step", "block"], default="step",
+                   help="'block' also records every block allocated, freed, cached or evicted")
 
 
 def _generate(args) -> int:
     from micro_vllm.llm import LLM
     from micro_vllm.model_loader.default_model import default_model_path
     from micro_vllm.sampling.params import SamplingParams
+    from micro_vllm.trace import TraceConfig
 
     model = args.model or str(default_model_path())
+    trace = TraceConfig(args.trace, level=args.trace_level) if args.trace else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     with LLM(model=model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-             max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs) as llm:
+             max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+             trace=trace) as llm:
         tokenizer = llm.tokenizer
         if not args.no_chat and tokenizer is not None and tokenizer.chat_template:
             conversations = [[{"role": "user", "content": p}] for p in args.prompt]
@@ -48,14 +60,49 @@ def _generate(args) -> int:
     return 0
 
 
+def _add_trace(subparsers) -> None:
+    p = subparsers.add_parser("trace", help="summarize, plot or export a trace written with --trace / LLM(trace=...)")
+    actions = p.add_subparsers(dest="trace_command", required=True)
+    summarize = actions.add_parser("summarize", help="print the figures of each run in the trace")
+    summarize.add_argument("file", help="a JSON-lines trace")
+    summarize.add_argument("--json", action="store_true", help="print the figures as JSON, one object per run")
+    plot = actions.add_parser("plot", help="draw batch composition, KV use and requests per step (PNG, SVG...)")
+    plot.add_argument("file", help="a JSON-lines trace")
+    plot.add_argument("-o", "--output", required=True, help="the image to write, e.g. run.png")
+    export = actions.add_parser("export", help="write Chrome trace event JSON, to open in Perfetto")
+    export.add_argument("file", help="a JSON-lines trace")
+    export.add_argument("-o", "--output", required=True, help="the JSON file to write, e.g. trace.json")
+
+
+def _trace(args) -> int:
+    from micro_vllm import trace_tools
+
+    events = trace_tools.read_trace(args.file)
+    if args.trace_command == "summarize":
+        summaries = trace_tools.summarize(events)
+        if args.json:
+            print(json.dumps([dataclasses.asdict(s) for s in summaries], indent=2))
+        else:
+            print("\n\n".join(f"run {i}\n{trace_tools.format_summary(s)}" for i, s in enumerate(summaries)))
+    elif args.trace_command == "plot":
+        trace_tools.plot(events, args.output)
+        print(f"wrote {args.output}")
+    else:
+        trace_tools.write_chrome_trace(events, args.output)
+        print(f"wrote {args.output} (open it at https://ui.perfetto.dev)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="micro-vllm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="micro-vllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_trace(subparsers)
     args = parser.parse_args(argv)
     try:
-        return _generate(args)
-    except (ValueError, TypeError, RuntimeError) as error:
+        return _trace(args) if args.command == "trace" else _generate(args)
+    except (ValueError, TypeError, RuntimeError, OSError) as error:
         print(f"micro-vllm: error: {error}", file=sys.stderr)
         return 2
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Any, Sequence
 
@@ -31,6 +32,11 @@ class LLM:
         self.config = config
         self.engine: Engine | None = Engine(config)
         self._request_counter = itertools.count()
+        # abort_request may come from another thread while generate() runs; generate() applies the
+        # aborts between steps, so the engine itself is only ever touched by generate's thread.
+        self._abort_lock = threading.Lock()
+        self._in_flight: set[str] = set()
+        self._pending_aborts: list[str] = []
 
     @property
     def tokenizer(self):
@@ -53,17 +59,24 @@ class LLM:
         for request in requests:
             engine.add_request(request)
         order = {r.request_id: i for i, r in enumerate(requests)}
+        with self._abort_lock:
+            self._in_flight = set(order)
         results: list[RequestOutput | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                outputs = self._apply_aborts(engine)
+                if engine.has_unfinished_requests():
+                    outputs += engine.step()
+                    prefill_tokens += engine.last_step_stats.num_prefill_tokens
+                    decode_tokens += engine.last_step_stats.num_decode_tokens
+                for output in outputs:
                     results[order[output.request_id]] = output
                     bar.update(1)
-                prefill_tokens += engine.last_step_stats.num_prefill_tokens
-                decode_tokens += engine.last_step_stats.num_decode_tokens
+                with self._abort_lock:
+                    self._in_flight.difference_update(out.request_id for out in outputs)
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, decode {decode_tokens / elapsed:.0f} tok/s",
                                     refresh=False)
@@ -73,7 +86,30 @@ class LLM:
             raise
         finally:
             bar.close()
+            with self._abort_lock:
+                self._in_flight.clear()
+                self._pending_aborts.clear()
         return results
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort one of this LLM's requests while ``generate`` runs it.
+
+        ``generate`` blocks, so call this from another thread or from a callback that runs during it
+        (a trace sink's ``emit``, say). The abort takes effect before the next step: ``generate``
+        returns that request's output with ``finish_reason="abort"`` and the tokens generated so far,
+        its KV blocks are freed, and the other requests go on unchanged. Request ids are "0", "1", ...
+        in the order this LLM received the prompts, over all calls (``RequestOutput.request_id``).
+
+        Returns True when the abort is queued (a request that finishes in the step under way keeps its
+        own finish reason), False when the request is not running: unknown, already finished, or no
+        ``generate`` in progress; nothing happens then.
+        """
+        with self._abort_lock:
+            if request_id not in self._in_flight:
+                return False
+            self._in_flight.discard(request_id)
+            self._pending_aborts.append(request_id)
+            return True
 
     def chat(
         self,
@@ -103,6 +139,12 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    def _apply_aborts(self, engine: Engine) -> list[RequestOutput]:
+        """Abort what abort_request queued since the last step; return those requests' outputs."""
+        with self._abort_lock:
+            aborts, self._pending_aborts = self._pending_aborts, []
+        return [out for out in map(engine.abort_request, aborts) if out is not None]
 
     def _engine(self) -> Engine:
         if self.engine is None:

@@ -22,6 +22,7 @@ from micro_vllm.model_loader.default import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
+from micro_vllm.trace import Tracer, resolve_trace
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -32,11 +33,13 @@ class StepStats:
 
     num_prefill_tokens: int
     num_decode_tokens: int
+    decode_req_ids: frozenset[str] = frozenset()  # the rest of the scheduled requests are prefilling
 
 
 class Engine:
     def __init__(self, config: LLMConfig) -> None:
         self.config = config
+        trace_config = resolve_trace(config.trace)  # a bad trace setting fails before any loading
         model_config = config.model_config
         path = resolve_model_path(model_config.model)
         hf_config = load_hf_config(path)
@@ -57,6 +60,9 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
         self.prompts: dict[str, str | None] = {}
         self.last_step_stats = StepStats(0, 0)
+        self.tracer: Tracer | None = None
+        if trace_config is not None:
+            self.tracer = Tracer(trace_config, kv_cache_manager.block_pool, self._run_info())
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -90,7 +96,11 @@ class Engine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request wherever it is and free its blocks; others are untouched."""
         aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
-        return self._make_output(aborted[0]) if aborted else None
+        if not aborted:
+            return None
+        if self.tracer is not None:
+            self.tracer.record_abort(request_id, self.scheduler.kv_cache_manager.num_free_blocks)
+        return self._make_output(aborted[0])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -99,24 +109,59 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it."""
+        if self.tracer is not None:
+            return self._traced_step(self.tracer)
+        return self._execute(self._schedule())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+        if self.tracer is not None:
+            self.tracer.close()
+            self.tracer = None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _schedule(self) -> SchedulerOutput:
         plan = self.scheduler.schedule()
         self.last_step_stats = self._step_stats(plan)
+        return plan
+
+    def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
         output = self.executor.execute_model(plan)
         finished = self.scheduler.update_from_output(plan, output)
         return [self._make_output(r) for r in finished]
 
-    def shutdown(self) -> None:
-        self.executor.shutdown()
-
-    # -- helpers -------------------------------------------------------------------------------
+    def _traced_step(self, tracer: Tracer) -> list[RequestOutput]:
+        started = tracer.clock()
+        plan = self._schedule()
+        # The event reads the scheduler right after scheduling, when this step's blocks are held.
+        event = tracer.step_event(plan, self.last_step_stats, self.scheduler, started)
+        outputs = self._execute(plan)
+        tracer.emit_step(event, [o.request_id for o in outputs])
+        return outputs
 
     def _step_stats(self, plan: SchedulerOutput) -> StepStats:
-        decode = 0
+        """Split the step's tokens into prefill and decode. A decode computes the one token a request
+        sampled last; everything else (prompt chunks, recomputation after preemption) is prefill."""
+        decode, decode_ids = 0, []
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1:
                 decode += num_tokens
-        return StepStats(plan.total_num_scheduled_tokens - decode, decode)
+                decode_ids.append(request_id)
+        return StepStats(plan.total_num_scheduled_tokens - decode, decode, frozenset(decode_ids))
+
+    def _run_info(self) -> dict[str, Any]:
+        """The settings a trace reader needs to make sense of the steps."""
+        config = self.config
+        return {
+            "model": config.model_config.model,
+            "block_size": config.cache_config.block_size,
+            "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": config.scheduler_config.max_num_seqs,
+        }
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
