@@ -48,7 +48,7 @@ def _llm(path, backend, **overrides):
     return LLM(model=str(path), device="cpu", dtype="float32", attention_backend=backend, **settings)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers(family, backend, model_dirs, hf_greedy):
     llm = _llm(model_dirs[family], backend)

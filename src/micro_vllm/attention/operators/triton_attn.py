@@ -1,0 +1,539 @@
+"""The ``triton`` attention backend: a KV-cache write kernel and one varlen paged-attention kernel.
+
+This module owns the Triton kernels and the host code that sizes their grids:
+
+* ``_write_kv_kernel`` scatters a step's K/V rows into the paged cache through ``slot_mapping``.
+* ``_attention_kernel`` computes attention for a whole step in one launch: prefill chunks (with cached
+  context before them) and decodes mixed, causal, GQA, optional sliding window, online softmax in fp32.
+  For decode-only batches with few requests it runs split-KV ("flash decoding"): several programs
+  share one request's context and ``_merge_splits_kernel`` combines their partial results.
+
+Grid of the attention kernel: ``(query blocks, num_kv_heads, num_splits)``.
+A program owns ``BLOCK_Q`` consecutive query tokens of one request and all ``GROUP`` query heads that
+share one KV head (``BLOCK_M = BLOCK_Q * GROUP`` rows of the score tile), so each K/V tile is loaded
+once per group. It walks the request's context in tiles of ``TILE_N`` keys, reading pages through the
+block table; only the tiles at the causal and window edges are masked. The number of query blocks is
+an upper bound that needs no device data: ``num_tokens // BLOCK_Q + num_reqs`` (each request wastes at
+most one partial block); a program finds its request by binary search over ``query_start_loc`` and
+exits when it has no rows. When no request has more than ``BLOCK_Q`` queries (decode), program ``i``
+simply serves request ``i``.
+
+CUDA graphs: the grid, the tile shape and the split count depend only on ``num_reqs``,
+``query.shape[0]``, ``max_query_len``, the head counts and the device; never on sequence lengths, which
+the kernels read from ``seq_lens`` on the device. A graph captured for a decode batch therefore needs
+no bound on ``max_seq_len``: it replays correctly for any context lengths its block table covers. It
+needs a fixed ``num_reqs`` (``seq_lens_cpu.shape[0]``) and ``max_query_len == 1``, so pad the batch
+with dummy requests rather than dropping them: a dummy may have no query
+(``query_start_loc[i] == query_start_loc[i + 1]``, it costs nothing) or one query over any
+``seq_len`` its block-table row covers (``seq_len`` 1 on the null block is fine).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from micro_vllm.attention.attention import AttentionMetadata
+from micro_vllm.attention.operators.registry import AttentionBackend, register_backend
+
+# Flash-decoding mode: at most this many splits per (request, KV head), each of at least this
+# many keys (below that, the merge costs more than the extra parallelism brings).
+_MAX_SPLITS = 16
+_MIN_SPLIT_KEYS = 512
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
+    cache_stride_block,
+    cache_stride_tok,
+    cache_stride_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token: nothing to store
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HEAD_SIZE)[None, :]
+    mask = heads < NUM_KV_HEADS
+    dst = block * cache_stride_block + offset * cache_stride_tok + heads * cache_stride_head + dims
+    k = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
+    v = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, qblock, BLOCK_Q: tl.constexpr):
+    """The request owning query block ``qblock``: request i's blocks start at qsl[i] // BLOCK_Q + i."""
+    # Tensors, not Python ints: Triton specialises num_reqs == 1 into a constant.
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = lo + num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= qblock:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, key_end, window,
+    scale_log2, cache_stride_block, cache_stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,  # False only for tiles every row sees in full
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [tile * TILE_N, (tile + 1) * TILE_N), read through pages."""
+    keys = tile * TILE_N + tl.arange(0, TILE_N)
+    dims = tl.arange(0, HEAD_SIZE)
+    if MASKED:
+        # Never touch a key outside [key_start, key_end): its table entry may be a null block and
+        # slots past seq_len hold stale data; masked loads return 0, so no NaN reaches P @ V.
+        key_valid = (keys >= key_start) & (keys < key_end)
+        page = tl.load(block_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        offset = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_tok
+        k = tl.load(k_base + offset[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0)
+        v = tl.load(v_base + offset[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
+    else:
+        page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
+        offset = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_tok
+        k = tl.load(k_base + offset[None, :] + dims[:, None])
+        v = tl.load(v_base + offset[:, None] + dims[None, :])
+
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        visible = keys[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            visible &= keys[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attention_kernel(
+    out_ptr,  # [T, H, D], or the split partials when NUM_SPLITS > 1
+    lse_ptr,  # [T, H, NUM_SPLITS] fp32 log2-sum-exp per split (only when NUM_SPLITS > 1)
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    scale_log2,  # softmax scale * log2(e): scores live in base 2 so exp2 is one instruction
+    window,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    out_stride_split,
+    lse_stride_t,
+    lse_stride_h,
+    cache_stride_block,
+    cache_stride_tok,
+    cache_stride_head,
+    block_table_stride,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV page
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # score-tile rows: BLOCK_Q * GROUP rounded up to a power of two
+    TILE_N: tl.constexpr,  # keys per loop iteration
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,  # fewest tiles a split takes (flash-decoding mode)
+    ONE_QBLOCK_PER_REQ: tl.constexpr,  # every request has <= BLOCK_Q queries: program i = request i
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    qblock = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if ONE_QBLOCK_PER_REQ:
+        req = qblock
+        first_q = 0
+    else:
+        req = _find_request(query_start_loc_ptr, num_reqs, qblock, BLOCK_Q)
+        first_q = (qblock - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)) * BLOCK_Q
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    if first_q >= q_len:  # a spare program of the upper-bound grid
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # cached tokens before this step's queries
+
+    # Row r of the score tile is query token first_q + r // GROUP, query head kv_head * GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    q_local = first_q + rows // GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_local < q_len)
+    q_pos = context_len + q_local
+    token = (q_begin + q_local).to(tl.int64)
+    head = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_SIZE)
+    q = tl.load(
+        q_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+
+    # Keys this query block can see: causal end at its last query, window start at its first.
+    key_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
+    key_start = 0
+    if HAS_WINDOW:
+        key_start = tl.maximum(context_len + first_q - window + 1, 0)
+    tile_begin = key_start // TILE_N
+    tile_end = tl.cdiv(key_end, TILE_N)
+    # Tiles in [full_begin, full_end) are visible to every row (no causal or window edge inside):
+    # they skip all masking. Only the first and last few tiles of a range need it.
+    full_begin = tile_begin
+    if HAS_WINDOW:
+        full_begin = tl.cdiv(tl.maximum(key_end - window, 0), TILE_N)
+    full_end = (context_len + first_q + 1) // TILE_N
+    if NUM_SPLITS > 1:
+        # Splits of at least MIN_SPLIT_TILES: short contexts use fewer programs (the rest exit at
+        # once), so one grid serves any context length, as a captured graph needs.
+        tiles_per_split = tl.maximum(tl.cdiv(tile_end - tile_begin, NUM_SPLITS), MIN_SPLIT_TILES)
+        tile_begin = tl.minimum(tile_begin + split * tiles_per_split, tile_end)
+        tile_end = tl.minimum(tile_begin + tiles_per_split, tile_end)
+    full_begin = tl.minimum(tl.maximum(full_begin, tile_begin), tile_end)
+    full_end = tl.minimum(tl.maximum(full_end, full_begin), tile_end)
+
+    # A finite floor (not -inf) keeps exp2(m_old - m_new) defined for rows that saw no key yet.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE], dtype=tl.float32)
+    block_row = block_table_ptr + req.to(tl.int64) * block_table_stride
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * cache_stride_head
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * cache_stride_head
+    for tile in range(tile_begin, full_begin):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, key_end, window,
+            scale_log2, cache_stride_block, cache_stride_tok,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, True, HAS_WINDOW, DOT_PRECISION,
+        )
+    for tile in range(full_begin, full_end):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, key_end, window,
+            scale_log2, cache_stride_block, cache_stride_tok,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, False, HAS_WINDOW, DOT_PRECISION,
+        )
+    for tile in range(full_end, tile_end):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, key_end, window,
+            scale_log2, cache_stride_block, cache_stride_tok,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, True, HAS_WINDOW, DOT_PRECISION,
+        )
+
+    # l_i is 0 only for rows that saw no key (padding rows, empty splits): emit 0, not NaN.
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_offset = token[:, None] * out_stride_t + head[:, None] * out_stride_h + dims[None, :]
+    if NUM_SPLITS > 1:
+        out_offset += split * out_stride_split
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + token * lse_stride_t + head * lse_stride_h + split, lse, mask=row_valid)
+    tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_ptr,  # [T, H, NUM_SPLITS, D] fp32, each split normalised by its own sum
+    lse_ptr,  # [T, H, NUM_SPLITS] fp32, base 2
+    num_tokens_ptr,  # query_start_loc[num_reqs]: rows past it are padding with no partials
+    out_stride_t,
+    out_stride_h,
+    partial_stride_t,
+    partial_stride_h,
+    lse_stride_t,
+    lse_stride_h,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(num_tokens_ptr):
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_SIZE)
+    lse_row = lse_ptr + token * lse_stride_t + head * lse_stride_h
+    lse = tl.load(lse_row + splits, mask=split_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    weight = tl.math.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+    partial_row = partial_ptr + token * partial_stride_t + head * partial_stride_h
+    partial = tl.load(
+        partial_row + splits[:, None] * HEAD_SIZE + dims[None, :], mask=split_mask[:, None], other=0.0
+    )
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _interpreting() -> bool:
+    # triton.jit picks the interpreter when the kernel is defined, so ask the kernel, not the env.
+    return type(_attention_kernel).__name__ == "InterpretedFunction"
+
+
+def _fix_interpreter() -> None:
+    """Work around two bugs of Triton 3.6's CPU interpreter that this backend's kernels hit.
+
+    * It keeps a scalar as a 1-element array and converts it with ``int(array)``, which NumPy 2.4
+      turned into a TypeError (triton-lang/triton#9171): any loop whose trip count comes from device
+      data fails. ``.item()`` accepts any 1-element array.
+    * ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns it stores bf16 in; widen them to fp32.
+
+    Both patches are idempotent, apply to the interpreter only, and are harmless once fixed upstream.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is not None and not getattr(patch_tensor, "micro_vllm_fixed", False):
+
+        def patch_lang_tensor(tensor, scope) -> None:
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+        patch_lang_tensor.micro_vllm_fixed = True
+        interpreter._patch_lang_tensor = patch_lang_tensor
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    create_dot = getattr(builder, "create_dot", None)
+    if create_dot is not None and not getattr(create_dot, "micro_vllm_fixed", False):
+
+        def widen(handle):
+            if handle.dtype.scalar == tl.bfloat16:
+                bits = handle.data.astype(np.uint32) << 16
+                return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+            return handle
+
+        def create_dot_widened(self, a, b, *args):
+            return create_dot(self, widen(a), widen(b), *args)
+
+        create_dot_widened.micro_vllm_fixed = True
+        builder.create_dot = create_dot_widened
+
+
+if _interpreting():
+    _fix_interpreter()
+
+
+def _check_device(tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cpu" and not _interpreting():
+        raise RuntimeError(
+            "the triton attention backend got CPU tensors but Triton's interpreter is off: set "
+            "TRITON_INTERPRET=1 in the environment before triton is first imported (or use a GPU)"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_query_len: int) -> int:
+    """How many programs share one (request, KV head) of a decode batch.
+
+    Only decode-only batches split, and only when (request, KV head) pairs alone leave SMs idle; the
+    count depends on nothing that changes between replays of a captured decode graph.
+    """
+    if max_query_len != 1 or device.type != "cuda":
+        return 1
+    # Measured on an H200 (Qwen3-0.6B shape, contexts 2000 to 16000): the best total is about two
+    # programs per SM (a decode program holds ~128 KiB of pipelined K/V tiles in shared memory);
+    # with more (request, KV head) pairs than that, splitting only adds the merge.
+    per_pair = 2 * _num_sms(device) // (num_reqs * num_kv_heads)
+    if per_pair < 2:
+        return 1
+    return min(_MAX_SPLITS, 1 << (per_pair.bit_length() - 1))  # a power of two: fewer compiled variants
+
+
+class _Tiles(NamedTuple):
+    block_m: int  # score-tile rows (query tokens x query heads of one KV head)
+    tile_n: int  # keys per loop iteration
+    num_warps: int
+    num_stages: int
+
+
+def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
+    """Tile shape and launch parameters; a function so benchmarks can swap it.
+
+    Decode-like batches take 16 rows, the smallest tl.dot, and are memory-bound; prefill takes a
+    taller tile so each K/V tile loaded serves more queries.
+    """
+    if max_query_len * group <= 16:
+        rows, tile_n, num_warps, num_stages = 16, 128, 4, 3
+    else:
+        rows, tile_n, num_warps, num_stages = 64, 64, 4, 2
+    return _Tiles(max(rows, triton.next_power_of_2(group)), tile_n, num_warps, num_stages)
+
+
+@register_backend("triton")
+class TritonBackend(AttentionBackend):
+    cuda_graph_safe = True  # grids depend on batch shape only; lengths are read on the device
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        _check_device(key)
+        num_tokens = slot_mapping.shape[0]
+        if num_tokens == 0:
+            return
+        _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        if key.stride(-1) != 1:
+            key = key.contiguous()
+        if value.stride(-1) != 1:
+            value = value.contiguous()
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        _write_kv_kernel[(num_tokens,)](
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            NUM_KV_HEADS=num_kv_heads,
+            HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+            HEAD_SIZE=head_size,
+            BLOCK_SIZE=block_size,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        _check_device(query)
+        num_tokens, num_heads, head_size = query.shape
+        _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
+        if head_size != cache_head_size or head_size < 16 or head_size & (head_size - 1):
+            raise ValueError(f"head_size must be a power of two >= 16 matching the cache, got {head_size}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous for .view()
+        num_reqs = metadata.num_reqs
+        if num_reqs == 0 or num_tokens == 0:
+            return out
+
+        group = num_heads // num_kv_heads
+        max_query_len = metadata.max_query_len
+        tiles = _pick_tiles(max_query_len, group, head_size)
+        block_q = tiles.block_m // group
+        one_qblock = max_query_len <= block_q
+        grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
+        num_splits = _num_splits(query.device, num_reqs, num_kv_heads, max_query_len)
+
+        if num_splits > 1:
+            partial = torch.empty(
+                num_tokens, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device
+            )
+            lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+            target, split_stride, lse_t, lse_h = partial, partial.stride(2), lse.stride(0), lse.stride(1)
+        else:
+            target, lse, split_stride, lse_t, lse_h = out, out, 0, 0, 0
+
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        window = sliding_window if sliding_window is not None else 0
+        _attention_kernel[(grid_q, num_kv_heads, num_splits)](
+            target,
+            lse,
+            query,
+            k_cache,
+            v_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            num_reqs,
+            scale * math.log2(math.e),
+            window,
+            query.stride(0),
+            query.stride(1),
+            target.stride(0),
+            target.stride(1),
+            split_stride,
+            lse_t,
+            lse_h,
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            metadata.block_table.stride(0),
+            GROUP=group,
+            HEAD_SIZE=head_size,
+            BLOCK_SIZE=block_size,
+            BLOCK_Q=block_q,
+            BLOCK_M=tiles.block_m,
+            TILE_N=tiles.tile_n,
+            NUM_SPLITS=num_splits,
+            MIN_SPLIT_TILES=max(1, _MIN_SPLIT_KEYS // tiles.tile_n),
+            ONE_QBLOCK_PER_REQ=one_qblock,
+            HAS_WINDOW=sliding_window is not None,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+        if num_splits > 1:
+            _merge_splits_kernel[(num_tokens, num_heads)](
+                out,
+                partial,
+                lse,
+                metadata.query_start_loc[num_reqs:],
+                out.stride(0),
+                out.stride(1),
+                partial.stride(0),
+                partial.stride(1),
+                lse.stride(0),
+                lse.stride(1),
+                NUM_SPLITS=num_splits,
+                SPLITS_PAD=triton.next_power_of_2(num_splits),
+                HEAD_SIZE=head_size,
+                num_warps=4,
+            )
+        return out

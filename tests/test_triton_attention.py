@@ -1,0 +1,348 @@
+"""The triton attention backend against the reference backend, on fresh random batches each run.
+
+Each test draws its own seed from os.urandom (printed, so a failure shows it; set
+MICRO_VLLM_TEST_SEED to replay one). The cache the triton backend reads is poisoned with NaN wherever
+it must not look (the null block 0, slots past a request's length, table entries past its last
+block, pages outside a sliding window), so a stray read shows up as NaN in the output; the reference
+reads a clean copy. On CPU the kernels run under TRITON_INTERPRET=1 (see conftest.py), so the CPU
+shapes stay tiny; the GPU class uses real sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
+from micro_vllm.attention.operators import triton_attn  # noqa: E402
+from micro_vllm.attention.operators.reference import write_kv_to_cache  # noqa: E402
+from micro_vllm.attention.operators.registry import get_backend  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+# (atol, rtol) against the fp32 reference rounded to the same dtype; plus a bound on
+# ||out - ref|| / ||ref||. fp16/bf16 round P before P @ V and the output once: a few ulps at most.
+TOLERANCE = {
+    torch.float32: (2e-4, 2e-4, 1e-4),
+    torch.float16: (5e-3, 5e-3, 2e-3),
+    torch.bfloat16: (3e-2, 3e-2, 1e-2),
+}
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = int(os.environ.get("MICRO_VLLM_TEST_SEED", 0)) or int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed} (replay with MICRO_VLLM_TEST_SEED={seed})")
+    torch.manual_seed(seed)
+    return random.Random(seed)
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor  # [num_actual + padding, H, D]
+    kv_cache: torch.Tensor  # poisoned where nothing may be read
+    clean_cache: torch.Tensor  # same data without poison, for the reference
+    metadata: AttentionMetadata
+
+
+def make_batch(
+    rng: random.Random,
+    requests: list[tuple[int, int]],  # (query_len, context_len before the queries)
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+    num_pad_tokens: int = 0,
+    device: str = DEVICE,
+) -> Batch:
+    seq_lens = [q + c for q, c in requests]
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(blocks_needed) + 1  # one spare column, pointing at the null block
+    pool = list(range(1, sum(blocks_needed) + 4))  # block 0 is the null block
+    rng.shuffle(pool)  # non-contiguous, out-of-order pages
+
+    block_table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
+    cache = torch.randn(2, len(pool) + 1, block_size, num_kv_heads, head_size, dtype=torch.float32)
+    cache = cache.to(dtype)
+    poisoned = cache.clone()
+    poisoned[:, 0] = float("nan")
+    for i, ((query_len, context_len), seq_len) in enumerate(zip(requests, seq_lens)):
+        pages = [pool.pop() for _ in range(blocks_needed[i])]
+        # Pages every query of this request has left behind are unmapped (null), like a windowed
+        # KV manager frees them.
+        first_visible = context_len - sliding_window + 1 if sliding_window else 0
+        for b, page in enumerate(pages):
+            block_table[i, b] = 0 if (b + 1) * block_size <= first_visible else page
+        if pages:
+            poisoned[:, pages[-1], seq_len - (len(pages) - 1) * block_size :] = float("nan")
+
+    query_lens = [q for q, _ in requests]
+    num_actual = sum(query_lens)
+    query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    slots = []
+    for i, (query_len, context_len) in enumerate(requests):
+        for pos in range(context_len, context_len + query_len):
+            slots.append(int(block_table[i, pos // block_size]) * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots + [-1] * num_pad_tokens, dtype=torch.int64)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_actual,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens_t.to(device),
+        block_table=block_table.to(device),
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens_t,
+    )
+    query = torch.randn(num_actual + num_pad_tokens, num_heads, head_size).to(dtype)
+    return Batch(query.to(device), poisoned.to(device), cache.to(device), metadata)
+
+
+def check_against_reference(batch: Batch, sliding_window: int | None) -> None:
+    head_size = batch.query.shape[-1]
+    scale = head_size**-0.5
+    expected = get_backend("reference").forward(
+        batch.query, batch.clean_cache, batch.metadata, scale=scale, sliding_window=sliding_window
+    )
+    out = get_backend("triton").forward(
+        batch.query, batch.kv_cache, batch.metadata, scale=scale, sliding_window=sliding_window
+    )
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    n = batch.metadata.num_actual_tokens
+    out, expected = out[:n].float(), expected[:n].float()
+    atol, rtol, rel_norm = TOLERANCE[batch.query.dtype]
+    assert not out.isnan().any(), "NaN in the output: the kernel read a poisoned (forbidden) slot"
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    assert ((out - expected).norm() / expected.norm()).item() < rel_norm
+
+
+def backend_reference(
+    query: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    return get_backend("reference").forward(query, cache, md, scale=scale, sliding_window=None)
+
+
+def random_requests(
+    rng: random.Random, num_decodes: int, num_chunks: int, max_context: int, max_chunk: int
+) -> list[tuple[int, int]]:
+    """Decodes (1 query) and prefill chunks (with or without cached context), shuffled together."""
+    requests = [(1, rng.randint(0, max_context)) for _ in range(num_decodes)]
+    for _ in range(num_chunks):
+        requests.append((rng.randint(2, max_chunk), rng.choice([0, rng.randint(1, max_context)])))
+    rng.shuffle(requests)
+    return requests
+
+
+# --------------------------------------------------------------------------------------------------
+# Small shapes: run everywhere (interpreter on CPU).
+
+# (num_heads, num_kv_heads, head_size, block_size, dtype, sliding_window)
+SMALL_SHAPES = [
+    (2, 2, 64, 16, torch.float32, None),  # MHA
+    (4, 2, 64, 16, torch.float16, None),  # GQA 2
+    (8, 2, 32, 32, torch.float32, None),  # GQA 4, block 32
+    (4, 1, 128, 16, torch.float16, 7),  # MQA-like GQA 4, head 128, small window
+    (4, 2, 64, 32, torch.bfloat16, 20),  # window spanning a page boundary
+    (6, 2, 16, 16, torch.float32, 5),  # GQA 3: group not a power of two
+]
+
+
+def use_small_tiles(monkeypatch) -> None:
+    """16-key tiles, so that tiny CPU contexts still span many tiles (masked edges, unmasked middle)."""
+    pick = triton_attn._pick_tiles
+    monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: pick(*args)._replace(tile_n=16))
+
+
+def shape_id(shape) -> str:
+    num_heads, num_kv_heads, head_size, block_size, dtype, window = shape
+    return f"H{num_heads}-KV{num_kv_heads}-D{head_size}-B{block_size}-{str(dtype)[6:]}-w{window}"
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, tiles: str) -> None:
+    num_heads, num_kv_heads, head_size, block_size, dtype, window = shape
+    if tiles == "small":
+        use_small_tiles(monkeypatch)
+    requests = random_requests(rng, num_decodes=3, num_chunks=2, max_context=2 * block_size + 5, max_chunk=19)
+    batch = make_batch(
+        rng,
+        requests,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        sliding_window=window,
+        num_pad_tokens=rng.randint(0, 3),
+    )
+    check_against_reference(batch, window)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_only_and_single_request(rng: random.Random, monkeypatch, window: int | None) -> None:
+    use_small_tiles(monkeypatch)
+    kwargs = dict(
+        num_heads=4, num_kv_heads=2, head_size=32, block_size=16, dtype=torch.float32, sliding_window=window
+    )
+    decodes = [(1, rng.randint(0, 50)) for _ in range(4)]
+    check_against_reference(make_batch(rng, decodes, num_pad_tokens=2, **kwargs), window)
+    # One request: Triton specialises an int argument equal to 1, which must still compile.
+    check_against_reference(make_batch(rng, [(rng.randint(17, 40), rng.randint(0, 20))], **kwargs), window)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_dummy_requests_of_a_padded_decode_graph(rng: random.Random, monkeypatch, num_splits: int) -> None:
+    # A captured decode graph keeps num_reqs fixed: spare entries are requests with no query (with
+    # or without context), which must cost nothing and disturb nothing.
+    monkeypatch.setattr(triton_attn, "_num_splits", lambda *args: num_splits)
+    monkeypatch.setattr(triton_attn, "_MIN_SPLIT_KEYS", 16)
+    use_small_tiles(monkeypatch)
+    requests = [(1, rng.randint(0, 40)), (0, 0), (1, rng.randint(0, 40)), (0, 0), (0, 7)]
+    batch = make_batch(
+        rng, requests, num_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32,
+        num_pad_tokens=2,
+    )
+    check_against_reference(batch, None)
+
+
+def test_long_chunk_spans_many_query_blocks(rng: random.Random) -> None:
+    # 70 queries with GQA 2 need several 32-query blocks, exercising the request search.
+    requests = [(1, 9), (rng.randint(60, 80), rng.randint(0, 30)), (1, 3), (rng.randint(33, 40), 0)]
+    batch = make_batch(
+        rng, requests, num_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32
+    )
+    check_against_reference(batch, None)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_kv_decode(rng: random.Random, monkeypatch, num_splits: int) -> None:
+    # The split path is picked on GPUs for few requests; force it so the interpreter covers it too,
+    # including splits that get no tile at all (short contexts).
+    monkeypatch.setattr(triton_attn, "_num_splits", lambda *args: num_splits)
+    monkeypatch.setattr(triton_attn, "_MIN_SPLIT_KEYS", 32)  # 2 tiles of 16 keys
+    use_small_tiles(monkeypatch)
+    for window in (None, 9):
+        decodes = [(1, rng.randint(0, 150)) for _ in range(3)] + [(1, 2)]
+        batch = make_batch(
+            rng, decodes, num_heads=4, num_kv_heads=2, head_size=32, block_size=16,
+            dtype=torch.float16, sliding_window=window, num_pad_tokens=1,
+        )
+        check_against_reference(batch, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_matches_reference(rng: random.Random, dtype: torch.dtype) -> None:
+    num_blocks, block_size, num_kv_heads, head_size = 6, 16, 3, 32
+    num_tokens = 11
+    # K and V as strided views of one fused projection, as a QKV linear layer produces them.
+    fused = torch.randn(num_tokens + 2, 2 * num_kv_heads * head_size + 8).to(dtype).to(DEVICE)
+    key = fused[:, : num_kv_heads * head_size].view(-1, num_kv_heads, head_size)
+    value = fused[:, num_kv_heads * head_size : -8].view(-1, num_kv_heads, head_size)
+    slots = rng.sample(range(num_blocks * block_size), num_tokens)
+    for i in rng.sample(range(num_tokens), 3):
+        slots[i] = -1  # padding
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).to(dtype).to(DEVICE)
+    expected = cache.clone()
+    write_kv_to_cache(key, value, expected, slot_mapping)
+    # Rows past slot_mapping (key has two more) must not be written anywhere.
+    get_backend("triton").write_kv(key, value, cache, slot_mapping)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU error message")
+def test_cpu_without_interpreter_raises(monkeypatch) -> None:
+    monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        key, slots = torch.zeros(1, 1, 16), torch.zeros(1, dtype=torch.int64)
+        get_backend("triton").write_kv(key, key, torch.zeros(2, 1, 16, 1, 16), slots)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real sizes on a GPU.
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+class TestOnGpu:
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 64), (8, 8, 128)], ids=str)
+    def test_large_decode_batch(self, rng: random.Random, dtype: torch.dtype, heads) -> None:
+        # The benchmark's steady state: 256 decodes, contexts up to 2048, block 16.
+        num_heads, num_kv_heads, head_size = heads
+        requests = [(1, rng.randint(0, 2047)) for _ in range(256)]
+        batch = make_batch(
+            rng, requests, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            block_size=16, dtype=dtype, num_pad_tokens=8,
+        )
+        check_against_reference(batch, None)
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("window", [None, 256])
+    @pytest.mark.parametrize("block_size", [16, 32])
+    def test_large_mixed_batch(self, rng: random.Random, dtype: torch.dtype, window, block_size: int) -> None:
+        requests = random_requests(rng, num_decodes=64, num_chunks=6, max_context=2048, max_chunk=700)
+        batch = make_batch(
+            rng, requests, num_heads=16, num_kv_heads=8, head_size=128, block_size=block_size,
+            dtype=dtype, sliding_window=window, num_pad_tokens=5,
+        )
+        check_against_reference(batch, window)
+
+    @pytest.mark.parametrize("num_reqs", [1, 4, 8])
+    def test_few_long_decodes_split_kv(self, rng: random.Random, num_reqs: int) -> None:
+        requests = [(1, rng.randint(1000, 4000)) for _ in range(num_reqs)]
+        batch = make_batch(
+            rng, requests, num_heads=16, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16
+        )
+        assert triton_attn._num_splits(batch.query.device, num_reqs, 8, 1) > 1
+        check_against_reference(batch, None)
+
+    @pytest.mark.parametrize("num_reqs", [8, 128], ids=["split-kv", "plain"])
+    def test_decode_cuda_graph_replays_any_context(self, rng: random.Random, num_reqs: int) -> None:
+        # A graph captured once must serve later steps whose contexts changed: the grid may depend
+        # only on num_reqs and the padded token count, never on seq_lens or max_seq_len.
+        kwargs = dict(num_heads=16, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
+        batch = make_batch(rng, [(1, 1800)] * num_reqs, num_pad_tokens=4, **kwargs)
+        backend, md, scale = get_backend("triton"), batch.metadata, 128**-0.5
+        query = batch.query
+        backend.forward(query, batch.kv_cache, md, scale=scale, sliding_window=None)  # compile outside
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out = backend.forward(query, batch.kv_cache, md, scale=scale, sliding_window=None)
+        for _ in range(3):
+            new_lens = torch.tensor([rng.randint(1, 1801) for _ in range(num_reqs)], dtype=torch.int32)
+            md.seq_lens.copy_(new_lens)
+            md.seq_lens_cpu.copy_(new_lens)
+            query.copy_(torch.randn_like(query))
+            graph.replay()
+            eager = backend.forward(query, batch.kv_cache, md, scale=scale, sliding_window=None)
+            expected = backend_reference(query, batch.clean_cache, md, scale)
+            n = md.num_actual_tokens
+            assert torch.equal(graph_out[:n], eager[:n])
+            torch.testing.assert_close(graph_out[:n].float(), expected[:n].float(), atol=3e-2, rtol=3e-2)
+
+    def test_write_kv_large(self, rng: random.Random) -> None:
+        num_tokens, num_blocks, block_size = 4096, 1024, 16
+        key = torch.randn(num_tokens, 8, 128, device="cuda", dtype=torch.bfloat16)
+        value = torch.randn_like(key)
+        slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+        slots[torch.rand(num_tokens, device="cuda") < 0.1] = -1
+        cache = torch.randn(2, num_blocks, block_size, 8, 128, device="cuda", dtype=torch.bfloat16)
+        expected = cache.clone()
+        write_kv_to_cache(key, value, expected, slots)
+        get_backend("triton").write_kv(key, value, cache, slots)
+        assert torch.equal(cache, expected)
