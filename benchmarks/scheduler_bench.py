@@ -40,6 +40,7 @@ SPEC = AttentionSpec(num_kv_heads=8, head_size=128)
 class StepTimes:
     schedule_ns: list[int]
     update_ns: list[int]
+    num_scheduled_requests: int = 0  # summed over steps
 
 
 def make_workload(seed: int = 0) -> list[tuple[list[int], int]]:
@@ -87,6 +88,7 @@ def run_once(workload: list[tuple[list[int], int]], enable_caching: bool) -> Ste
         done = clock()
         times.schedule_ns.append(scheduled - start)
         times.update_ns.append(done - ready)
+        times.num_scheduled_requests += len(plan.num_scheduled_tokens)
         step += 1
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks, "blocks leaked"
@@ -122,7 +124,9 @@ def main() -> None:
           f"{'on' if caching else 'off'}, {args.repeats} runs (median run shown)")
     print(summarize("schedule()", median_run.schedule_ns))
     print(summarize("update_from_output()", median_run.update_ns))
-    print(summarize("step (both)", [a + b for a, b in zip(median_run.schedule_ns, median_run.update_ns)]))
+    step_ns = [a + b for a, b in zip(median_run.schedule_ns, median_run.update_ns)]
+    print(summarize("step (both)", step_ns))
+    print(f"per scheduled request and step: {sum(step_ns) / median_run.num_scheduled_requests / 1000:.2f} us")
     print(f"scheduler seconds per run: {', '.join(f'{s:.3f}' for s in sorted(total_s))}")
 
 

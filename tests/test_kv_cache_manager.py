@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from micro_vllm.attention.spec import AttentionSpec
-from core_helpers import make_kv_manager, make_request
+from core_helpers import FULL, free_queue_ids, make_kv_manager, make_request, sliding
 
 
 def ids(blocks_per_group):
@@ -110,3 +110,164 @@ def test_sliding_window_frees_blocks_outside_every_window():
     assert in_use == 2
     kv.free(request)
     assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+# -- prefix caching ------------------------------------------------------------------------------
+
+
+def decode(kv, request, token):
+    """One decode step: the sampled token joins the request, and its slot is reserved."""
+    request.append_output_token(token)
+    new = kv.allocate_slots(request, 1)
+    request.num_computed_tokens += 1
+    return new
+
+
+def test_partial_block_is_not_cached_until_decoding_fills_it():
+    kv = make_kv_manager(num_blocks=10, block_size=4)
+    first = make_request(list(range(10)))
+    assert ids(allocate_prompt(kv, first)[2]) == [[1, 2, 3]]  # block 3 holds tokens 8, 9 only
+    assert len(kv.block_pool.prefix_cache) == 2
+    # Only whole blocks hit, and never the last token: 9 tokens hit 8, 8 tokens hit 4.
+    assert kv.get_computed_blocks(make_request(list(range(9))))[1] == 8
+    assert kv.get_computed_blocks(make_request(list(range(8))))[1] == 4
+    assert kv.get_computed_blocks(make_request(list(range(13))))[1] == 8
+    # Decoding tokens 10 and 11 fills block 3, which is cached as soon as its slots are reserved.
+    assert ids(decode(kv, first, 10)) == [[]]
+    assert ids(decode(kv, first, 11)) == [[]]
+    assert len(kv.block_pool.prefix_cache) == 3
+    blocks, num_computed = kv.get_computed_blocks(make_request(list(range(13))))
+    assert num_computed == 12 and ids(blocks) == [[1, 2, 3]]
+
+
+def test_full_hit_leaves_the_last_token_to_compute():
+    kv = make_kv_manager(num_blocks=10, block_size=4)
+    allocate_prompt(kv, make_request(list(range(12)) + [99]))  # blocks 1..3 cached, 4 partial
+    # Everything but the last token is cached: exactly one token is computed, in a new block.
+    unaligned = make_request(list(range(12)) + [50])
+    blocks, num_computed, new = allocate_prompt(kv, unaligned)
+    assert num_computed == 12 and ids(blocks) == [[1, 2, 3]] and ids(new) == [[5]]
+    # A prompt that ends on a block boundary gives up its whole last block: hits are whole blocks.
+    aligned = make_request(list(range(12)))
+    blocks, num_computed, new = allocate_prompt(kv, aligned)
+    assert num_computed == 8 and ids(blocks) == [[1, 2]] and ids(new) == [[6]]
+
+
+def test_equal_blocks_under_different_prefixes_do_not_hit():
+    kv = make_kv_manager(num_blocks=10, block_size=4)
+    a = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    allocate_prompt(kv, a)
+    # Block 1 holds the same tokens as a's block 1, but its parent differs: the chain differs.
+    b = make_request([9, 9, 9, 9, 5, 6, 7, 8, 9])
+    assert kv.get_computed_blocks(b) == ([[]], 0)
+    assert b.block_hashes[1] != a.block_hashes[1]
+    # A difference in the middle of a block stops the hit there.
+    c = make_request([1, 2, 3, 4, 5, 6, 7, 0, 9])
+    blocks, num_computed = kv.get_computed_blocks(c)
+    assert num_computed == 4 and ids(blocks) == [[1]]
+
+
+def test_least_recently_used_cached_block_is_evicted_first():
+    kv = make_kv_manager(num_blocks=10, block_size=4)  # 9 usable blocks
+    a = make_request(list(range(8)) + [100])
+    b = make_request(list(range(20, 28)) + [100])
+    allocate_prompt(kv, a)  # 1, 2 cached; 3 partial
+    allocate_prompt(kv, b)  # 4, 5 cached; 6 partial
+    kv.free(a)
+    kv.free(b)
+    assert free_queue_ids(kv) == [7, 8, 9, 3, 2, 1, 6, 5, 4]
+    # A hit takes blocks out of the queue; freed again, they are the most recently used.
+    c = make_request(list(range(20, 28)) + [5])
+    blocks, num_computed, new = allocate_prompt(kv, c)
+    assert ids(blocks) == [[4, 5]] and ids(new) == [[7]]
+    kv.free(c)
+    assert free_queue_ids(kv) == [8, 9, 3, 2, 1, 6, 7, 5, 4]
+    # Six new blocks evict a's prefix (freed before b's was last used), tail first.
+    assert ids(allocate_prompt(kv, make_request(list(range(50, 70)) + [1]))[2]) == [[8, 9, 3, 2, 1, 6]]
+    assert kv.get_computed_blocks(make_request(list(range(8)) + [1]))[1] == 0
+    assert kv.get_computed_blocks(make_request(list(range(20, 28)) + [1]))[1] == 8
+
+
+def test_freed_block_keeps_its_hash_until_it_is_reused():
+    kv = make_kv_manager(num_blocks=4, block_size=4)  # 3 usable blocks
+    a = make_request(list(range(8)) + [9])
+    allocate_prompt(kv, a)
+    kv.free(a)
+    pool = kv.block_pool
+    assert [pool.blocks[i].block_hash is not None for i in (1, 2, 3)] == [True, True, False]
+    assert pool.get_cached_block(a.block_hashes[1], 0) is pool.blocks[2]
+    # Reusing block 2 for other tokens drops its old entry: a's second block no longer hits.
+    x = make_request(list(range(50, 55)))
+    assert ids(allocate_prompt(kv, x)[2]) == [[3, 2]]
+    assert pool.blocks[2].block_hash is None
+    assert pool.get_cached_block(a.block_hashes[1], 0) is None
+    assert len(pool.prefix_cache) == 2  # a's first block and x's first block
+    assert kv.get_computed_blocks(make_request(list(range(8)) + [9]))[1] == 4
+
+
+def test_block_computed_twice_keeps_the_first_copy_cached():
+    kv = make_kv_manager(num_blocks=10, block_size=4)
+    a, b = make_request(list(range(8))), make_request(list(range(8)))
+    allocate_prompt(kv, a)  # blocks 1, 2
+    blocks, num_computed, new = allocate_prompt(kv, b)  # the last-token rule recomputes block 2's tokens
+    assert ids(blocks) == [[1]] and ids(new) == [[3]]
+    pool = kv.block_pool
+    assert pool.get_cached_block(a.block_hashes[1], 0) is pool.blocks[2]
+    assert pool.blocks[3].block_hash is not None  # marked, so never written again
+    # Evicting the duplicate leaves the first copy's entry alone.
+    kv.free(b)
+    allocate_prompt(kv, make_request(list(range(50, 74)) + [1]))  # 7 blocks: 4..9, then 3
+    assert pool.blocks[3].block_hash is None
+    assert pool.get_cached_block(a.block_hashes[1], 0) is pool.blocks[2]
+
+
+# -- sliding windows and cache groups ------------------------------------------------------------
+
+
+def test_sliding_window_hit_puts_null_blocks_before_the_window():
+    kv = make_kv_manager(num_blocks=16, block_size=2, specs=(sliding(4),))
+    a = make_request(list(range(12)))
+    allocate_prompt(kv, a)  # blocks 1..6, all full and cached
+    kv.free(a)
+    # 15 tokens hit at most 7 blocks; block 6 (tokens 12, 13) is new, so the hit ends at token 12,
+    # whose query sees positions 9..12: only the last two cached blocks are needed.
+    b = make_request(list(range(12)) + [50, 51, 52])
+    blocks, num_computed, new = allocate_prompt(kv, b)
+    assert num_computed == 12 and ids(blocks) == [[0, 0, 0, 0, 5, 6]]
+    assert ids(new) == [[7, 8]]
+    assert [blk.ref_cnt for blk in kv.block_pool.blocks[1:9]] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_sliding_window_hit_from_the_first_block_needs_no_full_window():
+    kv = make_kv_manager(num_blocks=16, block_size=2, specs=(sliding(8),))
+    allocate_prompt(kv, make_request([1, 2, 3, 4, 5]))  # blocks 1, 2 cached
+    blocks, num_computed = kv.get_computed_blocks(make_request([1, 2, 3, 4, 9, 9]))
+    assert num_computed == 4 and ids(blocks) == [[1, 2]]
+
+
+def test_full_and_sliding_groups_share_the_pool_and_agree_on_hits():
+    kv = make_kv_manager(num_blocks=20, block_size=2, specs=(FULL, sliding(4)))
+    a = make_request(list(range(6)), max_tokens=10)
+    assert ids(allocate_prompt(kv, a)[2]) == [[1, 2, 3], [4, 5, 6]]
+    for token in (6, 7, 8, 9):
+        decode(kv, a, token)
+    # Full attention keeps every block; the window let go of blocks 4, 5, 6 (positions 0..5).
+    assert ids([kv.managers[0].req_to_blocks[a.request_id], kv.managers[1].req_to_blocks[a.request_id]]) == [
+        [1, 2, 3, 7, 9], [0, 0, 0, 8, 10]]
+    assert free_queue_ids(kv)[-3:] == [4, 5, 6]
+    # Each group finds its own hit, the window's reaching a freed but still cached block.
+    b = make_request(list(range(8)) + [55, 66, 77])
+    blocks, num_computed = kv.get_computed_blocks(b)
+    assert num_computed == 8 and ids(blocks) == [[1, 2, 3, 7], [0, 0, 6, 8]]
+    # Once the window's blocks are evicted, the full group's hit alone is no hit: every group must agree.
+    x = make_request(list(range(100, 111)))
+    assert ids(allocate_prompt(kv, x)[2]) == [[11, 12, 13, 14, 15, 16], [17, 18, 19, 4, 5, 6]]
+    assert kv.get_computed_blocks(b) == ([[], []], 0)
+
+
+def test_num_blocks_needed_is_bounded_by_the_window():
+    kv = make_kv_manager(block_size=4, specs=(FULL, sliding(8)))
+    # 1000 tokens, chunks of at most 16: full attention keeps 250 blocks, the window needs
+    # ceil((7 + 16) / 4) + 1 = 7, since a chunk's blocks need not start on a block boundary.
+    assert [m.max_blocks_needed(1000, 16) for m in kv.managers] == [250, 7]
+    assert kv.max_blocks_needed(1000, 16) == 257

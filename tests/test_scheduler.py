@@ -1,6 +1,11 @@
+"""Scheduling decisions: budgets, chunking, admission order, prefix hits, preemption and aborts."""
+
 import pytest
 
-from core_helpers import make_request, make_scheduler, fake_output, run_to_completion
+from core_helpers import (
+    check_all_free, check_invariants, fake_output, make_request, make_scheduler, run_to_completion, sliding,
+)
+from micro_vllm.core.request import RequestStatus
 
 
 def test_chunked_prefill_respects_token_budget():
@@ -123,3 +128,103 @@ def test_abort_frees_blocks_and_leaves_others():
     assert b.num_output_tokens == 5
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def step(scheduler):
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    check_invariants(scheduler)
+    return plan
+
+
+def test_request_arriving_mid_prefill_hits_the_first_chunk():
+    scheduler = make_scheduler(max_num_batched_tokens=12, block_size=4)
+    first = make_request(list(range(20)), max_tokens=2)
+    scheduler.add_request(first)
+    assert dict(step(scheduler).num_scheduled_tokens) == {first.request_id: 12}  # blocks 1..3, cached
+    second = make_request(list(range(12)) + [90, 91, 92, 93], max_tokens=2)
+    scheduler.add_request(second)
+    plan = step(scheduler)
+    assert dict(plan.num_scheduled_tokens) == {first.request_id: 8, second.request_id: 4}
+    [cached] = plan.scheduled_cached_reqs
+    assert cached.new_block_ids == ((4, 5),)
+    [new] = plan.scheduled_new_reqs
+    assert new.block_ids == ((1, 2, 3, 6),) and new.num_computed_tokens == 12
+    assert second.num_cached_tokens == 12
+
+
+def test_full_hit_schedules_exactly_the_last_token():
+    scheduler = make_scheduler(block_size=4)
+    scheduler.add_request(make_request(list(range(12)) + [99], max_tokens=1))
+    run_to_completion(scheduler)
+    twin = make_request(list(range(12)) + [50], max_tokens=1)
+    scheduler.add_request(twin)
+    plan = step(scheduler)
+    assert dict(plan.num_scheduled_tokens) == {twin.request_id: 1}
+    assert plan.scheduled_new_reqs[0].num_computed_tokens == 12 and twin.num_cached_tokens == 12
+
+
+def test_preemption_takes_the_latest_request_and_resumes_it_first():
+    # 4 usable blocks of 4 tokens: two 6-token prompts fit, but not once both pass 8 tokens.
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, max_model_len=16)
+    first, second = make_request(list(range(6)), max_tokens=10), make_request(list(range(10, 16)), max_tokens=10)
+    late = make_request(list(range(20, 23)), max_tokens=2)
+    for request in (first, second):
+        scheduler.add_request(request)
+    step(scheduler)  # both prompts: blocks 1, 2 and 3, 4
+    scheduler.add_request(late)  # no block left for it
+    step(scheduler)
+    step(scheduler)
+    plan = step(scheduler)  # first's 9th token needs a third block: the latest admitted request gives its two back
+    assert plan.preempted_req_ids == {second.request_id}
+    assert dict(plan.num_scheduled_tokens) == {first.request_id: 1}
+    assert plan.scheduled_cached_reqs[0].new_block_ids == ((4,),)  # second's tail block, freed first
+    assert [r.request_id for r in scheduler.waiting] == [second.request_id, late.request_id]
+    assert second.num_preemptions == 1 and second.num_computed_tokens == 0
+    assert second.num_output_tokens == 3  # kept, and recomputed with the prompt
+    # It resumes before later arrivals, as a new request carrying its output so far. Its cached
+    # blocks were evicted while first grew to four blocks, so it is recomputed from the start.
+    while second.request_id not in (plan := step(scheduler)).num_scheduled_tokens:
+        assert late.request_id not in plan.num_scheduled_tokens
+    [resumed] = [r for r in plan.scheduled_new_reqs if r.req_id == second.request_id]
+    assert list(resumed.token_ids) == list(range(10, 16)) + [7, 7, 7]
+    assert resumed.num_computed_tokens == 0 and resumed.block_ids == ((3, 4, 2),)  # first's, tail first
+    run_to_completion(scheduler, check=lambda s, p: check_invariants(s))
+    assert [r.num_output_tokens for r in (first, second, late)] == [10, 10, 2]
+
+
+def test_abort_of_waiting_and_preempted_requests():
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, max_model_len=16, max_num_seqs=2)
+    first, second, third = (make_request(list(range(i, i + 6)), max_tokens=10) for i in (0, 10, 20))
+    for request in (first, second, third):
+        scheduler.add_request(request)
+    while not second.num_preemptions:
+        step(scheduler)
+    assert [r.request_id for r in scheduler.waiting] == [second.request_id, third.request_id]
+    aborted = scheduler.finish_requests([second.request_id, third.request_id, "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert aborted == [second, third] and not scheduler.waiting
+    check_invariants(scheduler)
+    assert step(scheduler).finished_req_ids == {second.request_id, third.request_id}
+    run_to_completion(scheduler)
+    assert first.num_output_tokens == 10 and second.finish_reason == third.finish_reason == "abort"
+    check_all_free(scheduler)
+
+
+def test_sliding_window_runs_a_request_longer_than_the_cache():
+    window_specs = (sliding(8),)
+    # 100 tokens need 25 blocks under full attention, but a window of 8 with chunks of 16 needs 7.
+    with pytest.raises(ValueError, match="can never fit"):
+        make_scheduler(num_blocks=8, max_num_batched_tokens=16).add_request(make_request(20, max_tokens=80))
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=16, specs=window_specs)
+    request = make_request(20, max_tokens=80)
+    scheduler.add_request(request)
+    peak = 0
+
+    def check(s, plan):
+        nonlocal peak
+        check_invariants(s)
+        kv = s.kv_cache_manager
+        peak = max(peak, kv.num_usable_blocks - kv.num_free_blocks)
+
+    run_to_completion(scheduler, check=check)
+    assert request.num_output_tokens == 80 and peak <= 7

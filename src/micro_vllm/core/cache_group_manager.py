@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.core.block import BlockPool, KVCacheBlock
-from micro_vllm.core.prefix_cache import BlockHash
+from micro_vllm.core.prefix_cache import BlockHash, update_block_hashes
 from micro_vllm.core.request import Request
 
 
@@ -34,9 +34,11 @@ class SingleTypeKVCacheManager(ABC):
     ) -> int:
         """Free blocks needed to hold ``num_tokens``: new blocks, plus reused cached blocks that are
         sitting in the free queue (taking them shrinks it just the same)."""
-        num_new = cdiv(num_tokens, self.block_size) - len(new_computed_blocks) - len(self.req_to_blocks[request_id])
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        return max(num_new, 0) + num_revived
+        num_held = len(self.req_to_blocks[request_id]) + len(new_computed_blocks)
+        num_new = max(cdiv(num_tokens, self.block_size) - num_held, 0)
+        if not new_computed_blocks:
+            return num_new
+        return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list[KVCacheBlock]) -> None:
         if new_computed_blocks:
@@ -56,12 +58,15 @@ class SingleTypeKVCacheManager(ABC):
         """Hash the blocks that ``num_tokens`` fills; they are full and never written again."""
         num_full = num_tokens // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:  # most decode steps fill no block
+            return
+        block_hashes = update_block_hashes(request, self.block_size)
         blocks = self.req_to_blocks[request.request_id]
         for i in range(start, num_full):
             block = blocks[i]
             if not block.is_null and block.block_hash is None:
-                self.block_pool.cache_full_block(block, request.block_hashes[i], self.group_id, request.request_id)
-        self.num_cached_blocks[request.request_id] = max(start, num_full)
+                self.block_pool.cache_full_block(block, block_hashes[i], self.group_id, request.request_id)
+        self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, [])

@@ -14,6 +14,7 @@ from micro_vllm.core.block import BlockPool, KVCacheBlock
 from micro_vllm.core.cache_group_manager import make_manager
 from micro_vllm.core.prefix_cache import update_block_hashes
 from micro_vllm.core.request import Request
+from micro_vllm.core.scheduler_output import BlockIds
 
 BlocksPerGroup = list[list[KVCacheBlock]]
 
@@ -39,6 +40,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.managers = [make_manager(g.spec, self.block_pool, block_size, i) for i, g in enumerate(groups)]
+        self._no_hit: BlocksPerGroup = [[] for _ in groups]  # read only
+        self._no_block_ids: BlockIds = ((),) * len(groups)
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,32 +84,36 @@ class KVCacheManager:
         new_computed_blocks: BlocksPerGroup | None = None,
     ) -> BlocksPerGroup | None:
         """Reserve blocks for ``num_new_tokens`` more tokens (after any prefix hit), or return None
-        when the pool cannot hold them; nothing changes then."""
+        when the pool cannot hold them; nothing changes then but the sliding windows' cleanup."""
         request_id = request.request_id
-        if new_computed_blocks is None:
-            new_computed_blocks = [[] for _ in self.managers]
-        for manager in self.managers:
-            manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        needed = sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
-            for m, blocks in zip(self.managers, new_computed_blocks)
-        )
-        if needed > self.num_free_blocks:
+        hit = new_computed_blocks or self._no_hit
+        needed = 0
+        for manager, blocks in zip(self.managers, hit):
+            # Blocks a window has slid past go back to the pool first, so they count as free.
+            manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
+            needed += manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+        if needed > self.block_pool.get_num_free_blocks():
             return None
-        for manager, blocks in zip(self.managers, new_computed_blocks):
-            self.block_pool.touch(blocks)
-            manager.save_new_computed_blocks(request_id, blocks)
+        if new_computed_blocks:
+            for manager, blocks in zip(self.managers, new_computed_blocks):
+                self.block_pool.touch(blocks)
+                manager.save_new_computed_blocks(request_id, blocks)
         new_blocks = [m.allocate_new_blocks(request_id, num_tokens) for m in self.managers]
         if self.enable_caching:
-            update_block_hashes(request, self.block_size)
             for manager in self.managers:
                 manager.cache_blocks(request, num_tokens)
         return new_blocks
+
+    def to_block_ids(self, blocks_per_group: BlocksPerGroup) -> BlockIds:
+        """The ids of ``allocate_slots``' new blocks, as the plan carries them."""
+        if not any(blocks_per_group):  # most steps of most requests: no new block
+            return self._no_block_ids
+        return tuple(tuple(b.block_id for b in blocks) for blocks in blocks_per_group)
 
     def free(self, request: Request) -> None:
         for manager in self.managers:
             manager.free(request.request_id)
 
-    def get_block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+    def get_block_ids(self, request_id: str) -> BlockIds:
         return tuple(tuple(b.block_id for b in m.req_to_blocks.get(request_id, ())) for m in self.managers)

@@ -6,9 +6,10 @@ prefixes. SHA-256 makes a collision (and so wrong output) practically impossible
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from array import array
-from typing import TYPE_CHECKING
+import struct
+from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
     from micro_vllm.core.block import KVCacheBlock
@@ -18,8 +19,14 @@ BlockHash = bytes
 _ROOT_HASH = b"micro-vllm"
 
 
+@functools.cache
+def _packer(num_tokens: int) -> struct.Struct:
+    # A compiled layout per block size packs token ids about twice as fast as array("q").
+    return struct.Struct(f"<{num_tokens}q")
+
+
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    data = array("q", token_ids).tobytes()
+    data = _packer(len(token_ids)).pack(*token_ids)
     return hashlib.sha256((parent_hash or _ROOT_HASH) + data).digest()
 
 
@@ -45,6 +52,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._table)
+
+    def items(self) -> Iterable[tuple[tuple[BlockHash, int], KVCacheBlock]]:
+        """Every (hash, group) key with its cached block, for checks and traces."""
+        return self._table.items()
 
     def get(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         return self._table.get((block_hash, group_id))

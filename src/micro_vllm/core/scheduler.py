@@ -67,75 +67,73 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted: list[Request] = []
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # Admitting requests right after preempting others would only thrash the cache.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        plan = SchedulerOutput(
+            scheduled_new_reqs=tuple(step.new_reqs),
+            scheduled_cached_reqs=tuple(step.cached_reqs),
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
+            finished_req_ids=frozenset(self.finished_req_ids),
+            preempted_req_ids=frozenset(r.request_id for r in step.preempted),
+        )
+        self.finished_req_ids.clear()
+        return plan
 
-        # Running requests first, in admission order.
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        """Give each running request, oldest first, what it still needs; preempt from the newest
+        end when the pool runs dry."""
+        kv = self.kv_cache_manager
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                step.preempted.append(victim)
                 if victim is request:
-                    break
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
-            if new_blocks is None:
-                break
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            cached_reqs.append(
-                CachedRequestData(
-                    request.request_id, tuple(tuple(b.block_id for b in g) for g in new_blocks), request.num_computed_tokens
-                )
+                    return
+                new_blocks = kv.allocate_slots(request, num_new)
+            step.add(request.request_id, num_new)
+            step.cached_reqs.append(
+                CachedRequestData(request.request_id, kv.to_block_ids(new_blocks), request.num_computed_tokens)
             )
             index += 1
 
-        # Then waiting requests in arrival order, unless this step already had to preempt.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        """Admit waiting requests in arrival order while the budgets and the pool allow."""
+        kv = self.kv_cache_manager
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, num_computed, computed_blocks) is None:
-                break
+            if num_new > step.budget and not self.config.enable_chunked_prefill:
+                return
+            num_new = min(num_new, step.budget)
+            if kv.allocate_slots(request, num_new, num_computed, computed_blocks) is None:
+                return
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # the first admission's hit; a resumption is no new hit
                 request.num_cached_tokens = num_computed
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            new_reqs.append(
+            step.add(request.request_id, num_new)
+            step.new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
                     token_ids=tuple(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens,
                     sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_computed,
                 )
             )
-
-        plan = SchedulerOutput(
-            scheduled_new_reqs=tuple(new_reqs),
-            scheduled_cached_reqs=tuple(cached_reqs),
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=frozenset(self.finished_req_ids),
-            preempted_req_ids=frozenset(r.request_id for r in preempted),
-        )
-        self.finished_req_ids.clear()
-        return plan
 
     def update_from_output(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
         """Advance the scheduled requests by the step's results; return those that finished."""
@@ -149,10 +147,14 @@ class Scheduler:
             for token_id in sampled.get(request_id, ()):
                 request.append_output_token(token_id)
                 if self._check_stop(request):
-                    self.running.remove(request)
-                    self._free(request)
                     finished.append(request)
                     break
+        if finished:
+            # One pass over the running list per step, not one search per finished request.
+            finished_ids = {r.request_id for r in finished}
+            self.running = [r for r in self.running if r.request_id not in finished_ids]
+            for request in finished:
+                self._free(request)
         return finished
 
     # -- helpers -------------------------------------------------------------------------------
@@ -160,11 +162,13 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
         last = request.all_token_ids[-1]
-        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+        if last in params.stop_token_ids or (not params.ignore_eos and last in request.eos_token_ids):
             request.status = RequestStatus.FINISHED_STOPPED
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return True
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return request.is_finished
+            return True
+        return False
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -177,3 +181,18 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+
+
+class _StepBuilder:
+    """What one ``schedule()`` call has decided so far; frozen into the plan at the end."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens still free under max_num_batched_tokens
+        self.num_scheduled: dict[str, int] = {}
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_reqs: list[CachedRequestData] = []
+        self.preempted: list[Request] = []
+
+    def add(self, request_id: str, num_tokens: int) -> None:
+        self.num_scheduled[request_id] = num_tokens
+        self.budget -= num_tokens
