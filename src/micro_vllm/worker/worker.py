@@ -18,10 +18,13 @@ logger = logging.getLogger(__name__)
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} is not available: this machine has no CUDA device; use 'cpu'")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:  # name the card, so set_device accepts it
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
