@@ -42,9 +42,8 @@ class RunnerSettings:
 
 class StagedBuffer:
     """A host buffer and its device twin, allocated once. Steps fill the host side with numpy and
-    copy the used prefix over without blocking; on CPU both sides are the same tensor. Reusing the
-    host side is safe because every step ends by reading its sampled tokens back, which waits for
-    the copies."""
+    copy the used prefix over without blocking; on CPU both sides are the same tensor. Before the
+    host side is refilled, the runner waits for the previous step's copies (``copies_done``)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         on_cuda = device.type == "cuda"
@@ -78,6 +77,9 @@ class ModelRunner:
         self.layer_group: list[int] = []  # decoder layer -> its KV cache group
         self.input_batch: InputBatch | None = None
         self.cuda_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, output
+        # Marks when the last step's host-to-device copies finished. A step that samples nothing (a
+        # middle prompt chunk) never syncs, so the next one must wait here before reusing host buffers.
+        self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -157,6 +159,8 @@ class ModelRunner:
             batch.append_block_ids(row, cached.new_block_ids)
 
     def _prepare_inputs(self, plan: SchedulerOutput, req_ids: list[str]) -> StepInputs:
+        if self.copies_done is not None:
+            self.copies_done.synchronize()
         batch = self.input_batch
         num_reqs = len(req_ids)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, num_reqs)
@@ -187,7 +191,7 @@ class ModelRunner:
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[rows])[0]
         num_samples = len(sample_rows)
         np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
-        return StepInputs(
+        inputs = StepInputs(
             num_reqs=num_reqs,
             num_tokens=num_tokens,
             input_ids=self.input_ids.copy_to_device(num_tokens),
@@ -198,6 +202,9 @@ class ModelRunner:
             logits_indices=self.logits_indices.copy_to_device(num_samples),
             sample_rows=sample_rows,
         )
+        if self.copies_done is not None:
+            self.copies_done.record()
+        return inputs
 
     def _attention_metadata(
         self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int
