@@ -11,8 +11,10 @@ same N requests, so the two figures come from one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections import defaultdict
 
 import torch
 
@@ -28,6 +30,52 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[i
     _sync()
     seconds = time.perf_counter() - start
     return sum(len(o.output_token_ids) for o in outputs), seconds
+
+
+@contextlib.contextmanager
+def time_phases(llm: LLM):
+    """Accumulate wall time per phase of each engine step. ``execute`` includes waiting for the GPU
+    (the runner reads the sampled tokens back), ``schedule`` and ``update`` are pure CPU."""
+    totals: dict[str, float] = defaultdict(float)
+
+    def timed(name, method):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            result = method(*args, **kwargs)
+            totals[name] += time.perf_counter() - start
+            totals[name + "_calls"] += 1
+            return result
+        return wrapper
+
+    scheduler, executor = llm.engine.scheduler, llm.engine.executor
+    wrapped = [(scheduler, "schedule", "schedule"), (scheduler, "update_from_output", "update"),
+               (executor, "execute_model", "execute")]
+    for obj, method, name in wrapped:
+        setattr(obj, method, timed(name, getattr(obj, method)))
+    try:
+        yield totals
+    finally:
+        for obj, method, _ in wrapped:
+            delattr(obj, method)  # the instance attribute shadowed the class's method
+
+
+def profile_decode_steps(llm: LLM, prompts, temperature: float, skip_steps: int = 40, steps: int = 10) -> str:
+    """Profile a few steps after the prompts are in (all decodes) and return the kernel table."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    engine = llm.engine
+    step = engine.step
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=skip_steps, warmup=2, active=steps)) as prof:
+        def profiled_step():
+            result = step()
+            prof.step()
+            return result
+        engine.step = profiled_step
+        params = SamplingParams(max_tokens=skip_steps + steps + 8, temperature=temperature, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        del engine.step
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
 def run_transformers(model_dir, prompts, max_new_tokens: int, temperature: float) -> tuple[int, float]:
@@ -67,6 +115,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of the whole recipe")
     parser.add_argument("--compare-hf", type=int, default=0, metavar="N", help="also run transformers on N requests")
     parser.add_argument("--hf-max-tokens", type=int, default=128, help="output tokens per request in the comparison")
+    parser.add_argument("--profile", action="store_true", help="print a kernel profile of a few decode steps")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     args = parser.parse_args()
 
@@ -81,9 +130,16 @@ def main() -> None:
 
     results = {"startup_s": round(startup, 1), "num_blocks": llm.engine.num_blocks, "runs": []}
     for _ in range(args.repeat):
-        tokens, seconds = run_micro_vllm(llm, prompts, max_tokens, args.temperature)
-        results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds)})
-        print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s")
+        with time_phases(llm) as phases:
+            tokens, seconds = run_micro_vllm(llm, prompts, max_tokens, args.temperature)
+        steps = int(phases["schedule_calls"])
+        breakdown = {k: round(1e6 * phases[k] / steps) for k in ("schedule", "execute", "update")}
+        results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds),
+                                "steps": steps, "us_per_step": breakdown})
+        print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
+              f"{steps} steps, mean us/step {breakdown}")
+    if args.profile:
+        print(profile_decode_steps(llm, prompts, args.temperature))
 
     if args.compare_hf:
         n, budget = args.compare_hf, args.hf_max_tokens
