@@ -1,0 +1,489 @@
+"""The engine on a CUDA device, end to end (marked gpu; skipped without CUDA).
+
+* fp32: greedy outputs identical to transformers on the same GPU (TF32 off), for every family,
+  both attention backends, block sizes 16 and 32, chunked prefill forced, and under preemption.
+* bf16: identical to transformers up to the first near tie of transformers' own logits, and never
+  different where its top two logits are far apart (the tolerance is stated in gpu_helpers.py).
+* CUDA graphs on vs off, chunked prefill on vs off, prefix caching on vs off: the same greedy
+  outputs; where two bf16 runs differ, only at a near tie of transformers' logits (the same rule).
+* Seeded sampling does not depend on the batch; step inputs survive a GPU that runs behind the
+  host; the Qwen3-0.6B-shaped benchmark model runs with default settings and sizes its KV cache
+  from gpu_memory_utilization.
+
+The tiny models are the random ones of tiny_models.py, made bigger (hidden 256, 3 layers) so that
+head sizes 64 and 128, GQA ratios 1, 2 and 4, sliding windows and two KV cache groups all occur.
+Their embeddings are untied: with tied unit-scale embeddings the residual stream keeps the input
+token's embedding and the model only repeats its last token, which no attention bug would change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_helpers import (
+    Reference,
+    check_greedy_agreement,
+    hf_gaps_along,
+    hf_greedy,
+    load_hf,
+)
+from micro_vllm import LLM, SamplingParams
+from tiny_models import make_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+MAX_MODEL_LEN = 256  # = max_position_embeddings of the tiny models
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, tie_word_embeddings=False)
+MODELS = {
+    # head size 64, GQA 1
+    "llama": dict(num_attention_heads=4, num_key_value_heads=4),
+    # head size 128, GQA 2, a window shorter than prompt + output and no multiple of a block size
+    "mistral": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128, sliding_window=24),
+    # head size 128, GQA 4, q/k norm
+    "qwen3": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=128),
+    # head size 64, GQA 2; layer 0 full attention, layers 1-2 a window of 20: two KV cache groups
+    "qwen3_sliding": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=20, max_window_layers=1
+    ),
+}
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+# Lengths that cross block boundaries (of 16 and 32) and windows, from 1 token to 150.
+PROMPTS = _prompts([1, 7, 23, 37, 61, 100, 150, 12], seed=0)
+NUM_TOKENS = 40
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def engine_settings(**overrides) -> dict:
+    """Our defaults for the tiny models: bf16, triton, CUDA graphs, a token budget that chunks
+    prompts, and an explicit cache big enough that nothing is preempted (sizing from
+    gpu_memory_utilization would take 90% of the card for each engine)."""
+    settings = dict(
+        device=DEVICE,
+        dtype="bfloat16",
+        attention_backend="triton",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=64,
+        max_num_seqs=64,
+        block_size=16,
+    )
+    settings.update(overrides)
+    if "num_blocks" not in settings:  # every running request at full length, in two groups
+        blocks_per_seq = -(-settings["max_model_len"] // settings["block_size"])
+        settings["num_blocks"] = settings["max_num_seqs"] * blocks_per_seq * 2 + 1
+    return settings
+
+
+def _release() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def engine(path: Path, **overrides):
+    llm = LLM(model=str(path), **engine_settings(**overrides))
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+        _release()
+
+
+def runner_of(llm: LLM):
+    return llm.engine.executor.worker.model_runner
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.output_token_ids for o in outputs]
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def true_fp32():
+    """fp32 must mean fp32: no TF32 in cuBLAS or cuDNN, for our engine and transformers alike."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu_models")
+    return {family: make_tiny_model(family, root, **_SIZES, **MODELS[family]) for family in MODELS}
+
+
+class References:
+    """transformers on the GPU, loaded once per (family, dtype); greedy references cached."""
+
+    def __init__(self, model_dirs: dict[str, Path]) -> None:
+        self.model_dirs = model_dirs
+        self.models: dict = {}
+        self.greedy_cache: dict = {}
+
+    def model(self, family: str, dtype: torch.dtype):
+        if (family, dtype) not in self.models:
+            self.models[family, dtype] = load_hf(self.model_dirs[family], dtype, DEVICE)
+        return self.models[family, dtype]
+
+    def greedy(self, family: str, dtype: torch.dtype) -> list[Reference]:
+        """transformers' greedy continuations of PROMPTS, with its top-two gap at every step."""
+        if (family, dtype) not in self.greedy_cache:
+            model = self.model(family, dtype)
+            self.greedy_cache[family, dtype] = [hf_greedy(model, p, NUM_TOKENS) for p in PROMPTS]
+        return self.greedy_cache[family, dtype]
+
+    def assert_same_greedy(self, family: str, dtype: torch.dtype, prompts, ours, theirs, what: str) -> int:
+        """Two runs of our engine agree: identical, or first different at a near tie of transformers'
+        logits on the common prefix. Returns how many requests are identical."""
+        identical = 0
+        for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs)):
+            if a == b:
+                identical += 1
+                continue
+            reference = hf_gaps_along(self.model(family, dtype), prompt, a)
+            agreement = check_greedy_agreement(a, b, reference, f"{what}, request {i}")
+            assert agreement.error is None, agreement.error
+        return identical
+
+
+@pytest.fixture(scope="module")
+def refs(model_dirs):
+    references = References(model_dirs)
+    yield references
+    references.models.clear()
+    _release()
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(model_dirs):
+    """One engine per family with our bf16 defaults (triton, CUDA graphs, chunked prefill, prefix
+    caching), shared by the tests that compare against it."""
+    engines: dict[str, LLM] = {}
+
+    def get(family: str) -> LLM:
+        if family not in engines:
+            engines[family] = LLM(model=str(model_dirs[family]), **engine_settings())
+        return engines[family]
+
+    yield get
+    for llm in engines.values():
+        llm.shutdown()
+    engines.clear()
+    _release()
+
+
+# -- the benchmark model, with default settings (first, while nothing else holds GPU memory) -----
+
+
+def test_benchmark_model_runs_with_default_settings(tmp_path):
+    """The Qwen3-0.6B-shaped random model (2 layers) on defaults: bf16, triton, CUDA graphs, and a
+    KV cache sized from gpu_memory_utilization after the profiling run."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    from bench_model import QWEN3_0_6B, build_random_model
+
+    path = build_random_model(tmp_path / "qwen3-0.6b-2-layers", num_hidden_layers=2)
+    _release()
+    utilization = 0.3
+    llm = LLM(model=str(path), gpu_memory_utilization=utilization)
+    try:
+        runner = runner_of(llm)
+        settings = runner.settings
+        assert settings.device.type == "cuda"
+        assert settings.dtype == torch.bfloat16
+        assert settings.attention_backend == "triton"
+        assert runner.cuda_graphs, "CUDA graphs are on by default on CUDA"
+
+        _, total = torch.cuda.mem_get_info()
+        kv_bytes = llm.engine.num_blocks * runner.kv_cache_bytes_per_block()
+        assert llm.engine.num_blocks > 0
+        # The weights (~0.35 GB) and the profiled activations (~1 GB) come out of the budget; the
+        # KV cache takes the rest, so it is most of it, and never more.
+        assert 0.5 * utilization * total <= kv_bytes <= utilization * total, (kv_bytes, total)
+
+        rng = random.Random(0)
+        lengths, max_tokens = [3, 50, 700, 2500], [1, 7, 33, 64]
+        prompts = [[rng.randrange(QWEN3_0_6B["vocab_size"]) for _ in range(n)] for n in lengths]
+        params = [
+            SamplingParams(max_tokens=m, temperature=0.0 if i % 2 else 0.7, ignore_eos=True)
+            for i, m in enumerate(max_tokens)
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [len(o.output_token_ids) for o in outputs] == max_tokens
+        assert all(o.finish_reason == "length" for o in outputs)
+        assert all(0 <= t < QWEN3_0_6B["vocab_size"] for o in outputs for t in o.output_token_ids)
+
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        # Everything this process holds stays near the budget: CUDA graph pools and step buffers
+        # come after the sizing, so allow a little over.
+        assert total - free <= utilization * total + 2 * 2**30, (total - free, total)
+    finally:
+        llm.shutdown()
+        _release()
+
+
+# -- fp32: identical to transformers -----------------------------------------------------------
+
+
+def _assert_matches_reference(outputs, references: list[Reference], what: str) -> None:
+    for i, (prompt, output, reference) in enumerate(zip(PROMPTS, outputs, references)):
+        assert output.prompt_token_ids == prompt
+        assert output.finish_reason == "length"
+        agreement = check_greedy_agreement(output.output_token_ids, reference.tokens, reference, f"{what}, prompt {i}")
+        assert agreement.error is None, agreement.error
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+@pytest.mark.parametrize("family", list(MODELS))
+def test_fp32_greedy_matches_transformers(family, backend, block_size, model_dirs, refs):
+    """fp32 on the GPU, TF32 off: our greedy tokens are transformers' (a difference is excused only
+    at a top-two gap below 2^-13 of the largest logit, i.e. an exact tie for practical purposes).
+    A 24-token budget chunks every prompt longer than that and mixes chunks with decodes; four
+    running requests at most, so requests queue and rows of the persistent batch move."""
+    references = refs.greedy(family, torch.float32)
+    with engine(
+        model_dirs[family], dtype="float32", attention_backend=backend, block_size=block_size,
+        max_num_batched_tokens=24, max_num_seqs=4,
+    ) as llm:
+        outputs = llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
+        kv = llm.engine.scheduler.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_usable_blocks  # nothing leaked
+    _assert_matches_reference(outputs, references, f"{family}/{backend}/block {block_size}")
+
+
+def test_fp32_greedy_matches_transformers_under_preemption(model_dirs, refs):
+    """A cache too small for the four running requests: the most recent is preempted and recomputed,
+    and the tokens do not change."""
+    family = "llama"
+    references = refs.greedy(family, torch.float32)
+    with engine(
+        model_dirs[family], dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, num_blocks=16
+    ) as llm:
+        scheduler = llm.engine.scheduler
+        preempt, preemptions = scheduler._preempt, []
+
+        def counting_preempt(request):
+            preemptions.append(request.request_id)
+            return preempt(request)
+
+        scheduler._preempt = counting_preempt
+        outputs = llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
+    assert preemptions, "the cache was meant to be too small: nothing was preempted"
+    _assert_matches_reference(outputs, references, "llama/triton/preemption")
+
+
+# -- bf16: identical to transformers up to near ties ----------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_bf16_greedy_matches_transformers_up_to_near_ties(family, refs, bf16_engine):
+    """bf16 with our defaults (triton, CUDA graphs, chunked prefill) against transformers in bf16,
+    step by step: the same tokens until the first position where transformers' two best logits are
+    within the bf16 tolerance of gpu_helpers.py (BF16_TIE_ULPS), and no difference anywhere else."""
+    references = refs.greedy(family, torch.bfloat16)
+    outputs = bf16_engine(family).generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
+    compared = 0
+    for i, (prompt, output, reference) in enumerate(zip(PROMPTS, outputs, references)):
+        assert output.prompt_token_ids == prompt and output.finish_reason == "length"
+        what = f"{family}, prompt {i}"
+        agreement = check_greedy_agreement(output.output_token_ids, reference.tokens, reference, what)
+        assert agreement.error is None, agreement.error
+        compared += agreement.compared
+    # Near ties are rare (gaps below the tolerance at ~15-20% of positions, and only some of those
+    # flip): most tokens must have been held to identity, or the comparison proved nothing.
+    assert compared >= len(PROMPTS) * NUM_TOKENS // 4, f"only {compared} tokens compared"
+
+
+# -- CUDA graphs on vs off -------------------------------------------------------------------------
+
+
+class GraphReplays:
+    """Records, for each replay of a captured graph, (requests in the step, graph size)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.replays: list[tuple[int, int]] = []
+        self._num_reqs = 0
+        self._saved_graphs = dict(runner.cuda_graphs)
+        execute = runner.execute_model
+
+        def noting_execute(plan):
+            self._num_reqs = len(plan.num_scheduled_tokens)
+            return execute(plan)
+
+        runner.execute_model = noting_execute
+        for size, (graph, output) in self._saved_graphs.items():
+            runner.cuda_graphs[size] = (self._Counting(graph, size, self), output)
+
+    class _Counting:
+        def __init__(self, graph, size: int, owner: GraphReplays) -> None:
+            self.graph, self.size, self.owner = graph, size, owner
+
+        def replay(self) -> None:
+            self.owner.replays.append((self.owner._num_reqs, self.size))
+            self.graph.replay()
+
+    def restore(self) -> None:
+        del self.runner.execute_model  # the instance attribute; the method shows through again
+        self.runner.cuda_graphs.clear()
+        self.runner.cuda_graphs.update(self._saved_graphs)
+
+
+# 33 requests that finish at different times, so decode batches shrink from 33 to 1 through
+# several captured sizes (1, 2, 4, 8, 16, 32, 48, 64) and are padded to the next one on the way.
+GRAPH_PROMPTS = _prompts([random.Random(i).randint(2, 60) for i in range(33)], seed=1)
+GRAPH_MAX_TOKENS = [4 + (7 * i) % 45 for i in range(33)]
+
+
+@pytest.mark.parametrize(
+    "family,dtype",
+    [("llama", "bfloat16"), ("mistral", "bfloat16"), ("qwen3_sliding", "bfloat16"), ("qwen3", "float32")],
+)
+def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, bf16_engine):
+    """Decode steps replayed from CUDA graphs (padded to the next captured size) give the tokens of
+    the same engine with enforce_eager=True, whose decode steps all run eagerly."""
+    params = [greedy(m) for m in GRAPH_MAX_TOKENS]
+    shared = dtype == "bfloat16"
+    with contextlib.ExitStack() as stack:
+        graphs = bf16_engine(family) if shared else stack.enter_context(engine(model_dirs[family], dtype=dtype))
+        runner = runner_of(graphs)
+        assert runner.cuda_graphs, "no CUDA graphs were captured with enforce_eager=False on CUDA"
+        assert min(runner.cuda_graphs) == 1 and max(runner.cuda_graphs) == 64  # up to max_num_seqs
+        replays = GraphReplays(runner)
+        try:
+            with_graphs = token_ids(graphs.generate(GRAPH_PROMPTS, params, use_tqdm=False))
+        finally:
+            replays.restore()
+    with engine(model_dirs[family], dtype=dtype, enforce_eager=True) as eager:
+        assert not runner_of(eager).cuda_graphs
+        without = token_ids(eager.generate(GRAPH_PROMPTS, params, use_tqdm=False))
+
+    assert [len(t) for t in with_graphs] == GRAPH_MAX_TOKENS
+    sizes = {size for _, size in replays.replays}
+    padded = {(n, size) for n, size in replays.replays if n < size}
+    assert len(sizes) >= 4, f"decode steps replayed only graph sizes {sorted(sizes)}"
+    assert padded, "no decode step was padded to a bigger graph"
+    refs.assert_same_greedy(family, DTYPES[dtype], GRAPH_PROMPTS, with_graphs, without, f"{family} graphs vs eager")
+
+
+# -- chunked prefill and prefix caching on vs off ------------------------------------------------
+
+# Ten requests, eight of them sharing an 80-token prefix (five blocks of 16), then two unrelated.
+_PREFIX = _prompts([80], seed=2)[0]
+SHARED_PROMPTS = [_PREFIX + s for s in _prompts([1, 5, 9, 17, 30, 2, 40, 11], seed=3)] + _prompts([50, 90], seed=4)
+SHARED_TOKENS = 32
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_sliding"])
+def test_chunked_prefill_and_prefix_caching_keep_greedy_outputs(family, model_dirs, refs, bf16_engine):
+    """bf16, triton, CUDA graphs. The shared engine chunks prompts (64-token budget) and caches
+    prefixes; against it: whole prompts in one step (chunked prefill off) and no prefix cache."""
+    params = greedy(SHARED_TOKENS)
+    base = bf16_engine(family)
+    first = base.generate(SHARED_PROMPTS, params, use_tqdm=False)
+    second = base.generate(SHARED_PROMPTS, params, use_tqdm=False)  # every prompt's blocks are cached now
+    assert all(o.num_cached_tokens >= 16 for o in second), [o.num_cached_tokens for o in second]
+
+    with engine(model_dirs[family], enable_chunked_prefill=False, max_num_batched_tokens=512) as whole:
+        unchunked = whole.generate(SHARED_PROMPTS, params, use_tqdm=False)
+    with engine(model_dirs[family], enable_prefix_caching=False) as uncached_engine:
+        uncached = uncached_engine.generate(SHARED_PROMPTS, params, use_tqdm=False)
+        uncached_again = uncached_engine.generate(SHARED_PROMPTS, params, use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in uncached + uncached_again)
+
+    dtype, prompts = torch.bfloat16, SHARED_PROMPTS
+    baseline = token_ids(first)
+    assert [len(t) for t in baseline] == [SHARED_TOKENS] * len(prompts)
+    refs.assert_same_greedy(family, dtype, prompts, token_ids(second), baseline, f"{family} cache hits vs first run")
+    refs.assert_same_greedy(family, dtype, prompts, token_ids(unchunked), baseline, f"{family} chunked prefill off")
+    refs.assert_same_greedy(family, dtype, prompts, token_ids(uncached), baseline, f"{family} prefix caching off")
+    assert token_ids(uncached_again) == token_ids(uncached)  # same engine, same shapes: bit for bit
+
+
+# -- seeded sampling ----------------------------------------------------------------------------
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs):
+    """Same seed, same tokens, alone or in any batch (temperature, top-k and top-p all on), on the
+    GPU sampler with CUDA graphs. In fp32: a seeded request cannot be more reproducible than its
+    logits, and in bf16 those may differ in the last bit with the batch's shape (GEMM kernels chosen
+    by the number of rows, graph padding); fp32 makes that negligible, so what is tested is the
+    sampler's per-request noise."""
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=20, seed=1234, ignore_eos=True)
+    others = [
+        greedy(24),
+        SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True),  # unseeded: the engine's generator
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=20, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.5, top_k=3, ignore_eos=True),
+    ]
+    mine = PROMPTS[3]
+    with engine(model_dirs["mistral"], dtype="float32", max_num_seqs=8) as llm:
+        alone = llm.generate([mine], seeded, use_tqdm=False)[0].output_token_ids
+        crowd = [PROMPTS[0], PROMPTS[5], mine, PROMPTS[6], PROMPTS[1]]
+        crowded = llm.generate(crowd, others[:2] + [seeded] + others[2:], use_tqdm=False)
+        twins = llm.generate([mine, PROMPTS[4], mine], [seeded, others[2], seeded], use_tqdm=False)
+        reseeded = llm.generate([mine], dataclasses.replace(seeded, seed=99), use_tqdm=False)[0].output_token_ids
+    assert len(alone) == 24
+    assert crowded[2].output_token_ids == alone
+    assert twins[0].output_token_ids == twins[2].output_token_ids == alone
+    assert reseeded != alone
+
+
+# -- pinned step buffers ------------------------------------------------------------------------
+
+
+def test_step_inputs_survive_a_gpu_that_runs_behind(model_dirs, refs):
+    """The runner fills pinned host buffers and copies them to the device without blocking, and
+    reuses the buffers the next step. That is safe only if a step cannot overwrite them before the
+    GPU has run the previous step's copies. Steps that sample nothing (chunks of a long prompt) end
+    without reading anything back, so here a GPU sleep queued before every step keeps the GPU behind
+    the host: the tokens must still be transformers' (fp32), as in an undisturbed run."""
+    family = "llama"
+    prompt = _prompts([200], seed=5)[0]  # 13 chunks of 16 tokens; only the last one samples
+    reference = hf_greedy(refs.model(family, torch.float32), prompt, 8)
+    with engine(
+        model_dirs[family], dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False
+    ) as llm:
+        undisturbed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].output_token_ids
+        executor = llm.engine.executor
+        execute = executor.execute_model
+
+        def behind(plan):
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time queued ahead of this step's copies
+            return execute(plan)
+
+        executor.execute_model = behind
+        delayed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].output_token_ids
+    for what, tokens in (("undisturbed", undisturbed), ("GPU behind the host", delayed)):
+        agreement = check_greedy_agreement(tokens, reference.tokens, reference, what)
+        assert agreement.error is None, agreement.error
+    assert delayed == undisturbed
