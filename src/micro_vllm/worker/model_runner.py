@@ -7,6 +7,7 @@ rest itself.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass
 
@@ -51,9 +52,11 @@ class StagedBuffer:
         self.np = self.cpu.numpy()
         self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
 
-    def copy_to_device(self, n: int) -> torch.Tensor:
+    def copy_to_device(self, n: int, cols: int | None = None) -> torch.Tensor:
+        """Copy the first ``n`` rows (of a 2-D buffer, only their first ``cols`` columns) and return
+        the device rows."""
         if self.device is not self.cpu:
-            self.device[:n].copy_(self.cpu[:n], non_blocking=True)
+            self.device[:n, :cols].copy_(self.cpu[:n, :cols], non_blocking=True)
         return self.device[:n]
 
 
@@ -124,6 +127,7 @@ class ModelRunner:
         self.temperature = staged(max_reqs, dtype=torch.float32)
         self.top_k = staged(max_reqs)
         self.top_p = staged(max_reqs, dtype=torch.float32)
+        self.arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=self.device)
         if settings.use_cuda_graphs:
             self.capture_cuda_graphs()
 
@@ -182,9 +186,11 @@ class ModelRunner:
 
         block_size = self.settings.block_size
         block_index, block_offset = np.divmod(positions, block_size)
+        # Only the columns this step's contexts reach are gathered and copied; the rest is never read.
+        num_cols = -(-int(seq_lens.max()) // block_size)
         for table, block_table, slot_mapping in zip(batch.block_tables, self.block_tables, self.slot_mappings):
-            step_table = block_table.np[:num_reqs]
-            np.take(table, rows, axis=0, out=step_table)
+            step_table = block_table.np[:num_reqs, :num_cols]
+            step_table[:] = table[rows, :num_cols]
             np.add(step_table[req_of_token, block_index] * block_size, block_offset, out=slot_mapping.np[:num_tokens])
 
         # Only requests whose every known token is now computed produce a next token.
@@ -197,7 +203,7 @@ class ModelRunner:
             input_ids=self.input_ids.copy_to_device(num_tokens),
             positions=self.positions.copy_to_device(num_tokens),
             attn_metadata=self._attention_metadata(
-                num_reqs, num_tokens, int(num_scheduled.max()), int(seq_lens.max())
+                num_reqs, num_tokens, int(num_scheduled.max()), int(seq_lens.max()), num_cols
             ),
             logits_indices=self.logits_indices.copy_to_device(num_samples),
             sample_rows=sample_rows,
@@ -207,7 +213,7 @@ class ModelRunner:
         return inputs
 
     def _attention_metadata(
-        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int
+        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, num_cols: int
     ) -> list[AttentionMetadata]:
         """Copy the staged step inputs to the device and wrap them per KV cache group."""
         query_start_loc = self.query_start_loc.copy_to_device(num_reqs + 1)
@@ -219,7 +225,7 @@ class ModelRunner:
                 max_seq_len=max_seq_len,
                 query_start_loc=query_start_loc,
                 seq_lens=seq_lens,
-                block_table=block_table.copy_to_device(num_reqs),
+                block_table=block_table.copy_to_device(num_reqs, num_cols),
                 slot_mapping=slot_mapping.copy_to_device(num_tokens),
                 query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
                 seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
@@ -232,26 +238,30 @@ class ModelRunner:
         graph_size = self._graph_size(inputs)
         if graph_size is None:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        # All decodes: pad to the captured size with dummy requests that read the null block and
-        # write nowhere, then replay. The graph reads the step buffers the inputs were copied into.
-        n = inputs.num_reqs
-        self.query_start_loc.device[n + 1 : graph_size + 1] = torch.arange(
-            n + 1, graph_size + 1, dtype=torch.int32, device=self.device
-        )
-        self.seq_lens.device[n:graph_size] = 1
-        self.input_ids.device[n:graph_size] = 0
-        self.positions.device[n:graph_size] = 0
-        for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings):
-            block_table.device[n:graph_size] = 0
-            slot_mapping.device[n:graph_size] = -1
+        # The graph reads the step buffers the inputs were copied into.
+        self._pad_decode_batch(inputs.num_reqs, graph_size)
         graph, hidden_states = self.cuda_graphs[graph_size]
         graph.replay()
-        return hidden_states[:n]
+        return hidden_states[: inputs.num_reqs]
+
+    def _pad_decode_batch(self, num_reqs: int, size: int) -> None:
+        """Fill rows ``num_reqs..size`` of the device step buffers with dummy decodes that read the
+        null block and write nowhere."""
+        self.query_start_loc.device[num_reqs : size + 1] = self.arange[num_reqs : size + 1]
+        self.seq_lens.device[num_reqs:size] = 1
+        self.input_ids.device[num_reqs:size] = 0
+        self.positions.device[num_reqs:size] = 0
+        for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings):
+            block_table.device[num_reqs:size, 0] = 0
+            slot_mapping.device[num_reqs:size] = -1
 
     def _graph_size(self, inputs: StepInputs) -> int | None:
+        """The smallest captured batch that holds this step, when the step is all decodes."""
         if not self.cuda_graphs or inputs.num_tokens != inputs.num_reqs:
             return None
-        return next((size for size in sorted(self.cuda_graphs) if size >= inputs.num_reqs), None)
+        sizes = self.cuda_graph_batch_sizes
+        index = bisect.bisect_left(sizes, inputs.num_reqs)
+        return sizes[index] if index < len(sizes) else None
 
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
         batch = self.input_batch
@@ -292,11 +302,7 @@ class ModelRunner:
         reads those from the device, so one graph serves every decode step of its size."""
         pool = None
         for size in reversed(self.cuda_graph_sizes()):
-            self.query_start_loc.device[: size + 1] = torch.arange(size + 1, dtype=torch.int32, device=self.device)
-            self.seq_lens.device[:size] = 1
-            for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings):
-                block_table.device[:size] = 0
-                slot_mapping.device[:size] = -1
+            self._pad_decode_batch(0, size)
             metadata = [
                 AttentionMetadata(
                     num_actual_tokens=size,
@@ -320,6 +326,7 @@ class ModelRunner:
             pool = graph.pool()
             self.cuda_graphs[size] = (graph, hidden_states)
         torch.cuda.synchronize()
+        self.cuda_graph_batch_sizes = sorted(self.cuda_graphs)
         logger.info("captured CUDA graphs for decode batch sizes %s", sorted(self.cuda_graphs))
 
     # -- memory profiling ----------------------------------------------------------------------
@@ -355,7 +362,11 @@ class ModelRunner:
         positions = torch.cat([torch.arange(int(n)) for n in query_lens]).to(self.device)
         hidden = self.model(input_ids, positions, [metadata] * len(self.model.attention_layers()))
         logits = self.model.compute_logits(hidden[query_start_loc[1:].to(self.device).long() - 1])
+        # The sort behind top-k / top-p is the sampler's largest buffer; a fresh Sampler keeps the
+        # engine's random stream untouched by profiling.
         temperature = torch.ones(num_reqs, device=self.device)
-        self.sampler(logits, SamplingMetadata(temperature, None, None, all_greedy=False))
+        top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=self.device)
+        top_p = torch.full((num_reqs,), 0.9, device=self.device)
+        Sampler()(logits, SamplingMetadata(temperature, top_k, top_p, all_greedy=False))
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
