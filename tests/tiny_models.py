@@ -170,6 +170,8 @@ def _spread_weights(model: PreTrainedModel, seed: int) -> None:
         elif name.endswith("bias"):
             param.copy_(0.2 * noise)
         elif "embed_tokens" in name:
-            param.copy_(noise)
+            # Tied models read logits off the embedding: a unit-scale embedding would dominate the
+            # residual stream and the model would only echo its last token, whatever attention did.
+            param.copy_(noise * (0.05 if model.config.tie_word_embeddings else 1.0))
         else:
             param.copy_(noise / param.shape[-1] ** 0.5)
