@@ -74,10 +74,11 @@ def test_config_form_and_keyword_form_agree(model_dirs):
         cache_config=CacheConfig(block_size=16),
     )
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    with LLM(config) as a, LLM(model=path, max_model_len=128, block_size=16, device="cpu") as b:
-        assert [o.output_token_ids for o in a.generate(PROMPTS, params, use_tqdm=False)] == [
-            o.output_token_ids for o in b.generate(PROMPTS, params, use_tqdm=False)
-        ]
+    with LLM(config) as a, LLM(model=path, max_model_len=128, block_size=16, device="cpu") as b, \
+            LLM(path, max_model_len=128, block_size=16, device="cpu") as c:
+        expected = [o.output_token_ids for o in a.generate(PROMPTS, params, use_tqdm=False)]
+        assert [o.output_token_ids for o in b.generate(PROMPTS, params, use_tqdm=False)] == expected
+        assert [o.output_token_ids for o in c.generate(PROMPTS, params, use_tqdm=False)] == expected
 
 
 def test_text_prompts_dict_prompts_and_detokenized_output(model_dirs):

@@ -19,6 +19,7 @@ _EXPORTS = {
     "CacheConfig": "micro_vllm.config",
     "SamplingParams": "micro_vllm.sampling.params",
     "RequestOutput": "micro_vllm.engine.output",
+    "TraceConfig": "micro_vllm.trace",
 }
 __all__ = list(_EXPORTS)
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from micro_vllm.engine.output import RequestOutput
     from micro_vllm.llm import LLM
     from micro_vllm.sampling.params import SamplingParams
+    from micro_vllm.trace import TraceConfig
 
 
 def __getattr__(name: str):

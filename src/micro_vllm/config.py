@@ -40,7 +40,7 @@ class ModelConfig:
 class SchedulerConfig:
     """The budgets of one engine step (vLLM's names and meanings)."""
 
-    max_model_len: int | None = None  # prompt + output; None takes the model's own limit, capped at 8192
+    max_model_len: int | None = None  # prompt + output; None takes the model's max_position_embeddings
     max_num_batched_tokens: int = 8192  # tokens computed in one step, prefill chunks and decodes together
     max_num_seqs: int = 256  # requests running at once
     enable_chunked_prefill: bool = True

@@ -18,11 +18,14 @@ from micro_vllm.sampling.params import SamplingParams
 class LLM:
     """Generate text with a model, vLLM style.
 
-    ``LLM(LLMConfig(...))`` or ``LLM(model=path, max_model_len=..., block_size=..., ...)``, where every
-    field of ``ModelConfig``, ``SchedulerConfig`` and ``CacheConfig`` can be given by name.
+    ``LLM(LLMConfig(...))`` or ``LLM(model=path, max_model_len=..., block_size=..., ...)`` (the model
+    may also come first, unnamed), where every field of ``ModelConfig``, ``SchedulerConfig`` and
+    ``CacheConfig`` can be given by name.
     """
 
-    def __init__(self, config: LLMConfig | None = None, *, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: LLMConfig | str | None = None, *, model: str | None = None, **kwargs: Any) -> None:
+        if isinstance(config, str) and model is None:  # LLM("path/or/hub-id", ...), as in vLLM
+            config, model = None, config
         if config is None:
             if model is None:
                 raise TypeError("LLM needs an LLMConfig or model=...")
