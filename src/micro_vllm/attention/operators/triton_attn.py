@@ -40,6 +40,7 @@ import triton.language as tl
 
 from micro_vllm.attention.attention import AttentionMetadata
 from micro_vllm.attention.operators.registry import AttentionBackend, register_backend
+from micro_vllm.attention.operators.triton_interpreter import patch_triton_interpreter
 
 # Flash-decoding mode: at most this many splits per (request, KV head), each of at least this
 # many keys (below that, the merge costs more than the extra parallelism brings).
@@ -308,48 +309,8 @@ def _interpreting() -> bool:
     return type(_attention_kernel).__name__ == "InterpretedFunction"
 
 
-def _fix_interpreter() -> None:
-    """Work around two bugs of Triton 3.6's CPU interpreter that this backend's kernels hit.
-
-    * It keeps a scalar as a 1-element array and converts it with ``int(array)``, which NumPy 2.4
-      turned into a TypeError (triton-lang/triton#9171): any loop whose trip count comes from device
-      data fails. ``.item()`` accepts any 1-element array.
-    * ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns it stores bf16 in; widen them to fp32.
-
-    Both patches are idempotent, apply to the interpreter only, and are harmless once fixed upstream.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is not None and not getattr(patch_tensor, "micro_vllm_fixed", False):
-
-        def patch_lang_tensor(tensor, scope) -> None:
-            patch_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
-
-        patch_lang_tensor.micro_vllm_fixed = True
-        interpreter._patch_lang_tensor = patch_lang_tensor
-
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    create_dot = getattr(builder, "create_dot", None)
-    if create_dot is not None and not getattr(create_dot, "micro_vllm_fixed", False):
-
-        def widen(handle):
-            if handle.dtype.scalar == tl.bfloat16:
-                bits = handle.data.astype(np.uint32) << 16
-                return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-            return handle
-
-        def create_dot_widened(self, a, b, *args):
-            return create_dot(self, widen(a), widen(b), *args)
-
-        create_dot_widened.micro_vllm_fixed = True
-        builder.create_dot = create_dot_widened
-
-
 if _interpreting():
-    _fix_interpreter()
+    patch_triton_interpreter()
 
 
 def _check_device(tensor: torch.Tensor) -> None:
