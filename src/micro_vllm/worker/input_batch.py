@@ -9,14 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from micro_vllm.core.scheduler_output import BlockIds, NewRequestData
-from micro_vllm.sampling.params import SamplingParams
 
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: list[int]) -> None:
         self.req_ids: list[str] = []  # row i holds req_ids[i]; rows stay dense
         self.row_of: dict[str, int] = {}
-        self.sampling_params: list[SamplingParams] = []
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int32)
@@ -26,6 +24,7 @@ class InputBatch:
         self.temperature = np.zeros(max_num_reqs, np.float32)
         self.top_k = np.zeros(max_num_reqs, np.int32)
         self.top_p = np.ones(max_num_reqs, np.float32)
+        self.seed = np.full(max_num_reqs, -1, np.int64)  # -1: no seed of its own, or greedy
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -34,7 +33,6 @@ class InputBatch:
         row = len(self.req_ids)
         self.req_ids.append(new.req_id)
         self.row_of[new.req_id] = row
-        self.sampling_params.append(new.sampling_params)
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
@@ -47,6 +45,7 @@ class InputBatch:
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k if params.top_k > 0 else 0
         self.top_p[row] = params.top_p
+        self.seed[row] = params.seed if params.seed is not None and not params.greedy else -1
 
     def append_block_ids(self, row: int, block_ids: BlockIds) -> None:
         for table, count, ids in zip(self.block_tables, self.num_blocks, block_ids):
@@ -62,17 +61,16 @@ class InputBatch:
             moved = self.req_ids[last]
             self.req_ids[row] = moved
             self.row_of[moved] = row
-            self.sampling_params[row] = self.sampling_params[last]
             for array in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens, self.temperature,
-                          self.top_k, self.top_p, *self.num_blocks):
+                          self.top_k, self.top_p, self.seed, *self.num_blocks):
                 array[row] = array[last]
             n = self.num_tokens[row]
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for table, count in zip(self.block_tables, self.num_blocks):
                 table[row, : count[row]] = table[last, : count[row]]
         self.req_ids.pop()
-        self.sampling_params.pop()
 
-    def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each of ``rows``."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1

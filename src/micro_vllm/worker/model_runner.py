@@ -62,6 +62,7 @@ class StagedBuffer:
 
 @dataclass
 class StepInputs:
+    batch_rows: np.ndarray  # the persistent-batch row of each request, in the step's order
     num_reqs: int
     num_tokens: int
     input_ids: torch.Tensor
@@ -142,13 +143,13 @@ class ModelRunner:
         inputs = self._prepare_inputs(plan, req_ids)
         hidden_states = self._run_model(inputs)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        sample_req_ids = [req_ids[i] for i in inputs.sample_rows]
-        sampled = self.sampler(logits, self._sampling_metadata(sample_req_ids)).tolist()
-        tokens: dict[str, list[int]] = {}
-        for req_id, token_id in zip(sample_req_ids, sampled):
-            self.input_batch.append_token(self.input_batch.row_of[req_id], token_id)
-            tokens[req_id] = [token_id]
-        return ModelRunnerOutput(req_ids, [tokens.get(r, []) for r in req_ids])
+        sample_rows = inputs.batch_rows[inputs.sample_rows]
+        sampled = self.sampler(logits, self._sampling_metadata(sample_rows)).cpu().numpy()
+        self.input_batch.append_tokens(sample_rows, sampled)
+        tokens: list[list[int]] = [[] for _ in req_ids]
+        for index, token_id in zip(inputs.sample_rows.tolist(), sampled.tolist()):
+            tokens[index] = [token_id]
+        return ModelRunnerOutput(req_ids, tokens)
 
     def _update_states(self, plan: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -157,10 +158,13 @@ class ModelRunner:
                 batch.remove_request(req_id)
         for new in plan.scheduled_new_reqs:
             batch.add_request(new)
-        for cached in plan.scheduled_cached_reqs:
-            row = batch.row_of[cached.req_id]
-            batch.num_computed_tokens[row] = cached.num_computed_tokens
-            batch.append_block_ids(row, cached.new_block_ids)
+        cached_reqs = plan.scheduled_cached_reqs
+        if cached_reqs:
+            rows = [batch.row_of[cached.req_id] for cached in cached_reqs]
+            batch.num_computed_tokens[rows] = [cached.num_computed_tokens for cached in cached_reqs]
+            for row, cached in zip(rows, cached_reqs):
+                if any(cached.new_block_ids):  # most decodes get no new block
+                    batch.append_block_ids(row, cached.new_block_ids)
 
     def _prepare_inputs(self, plan: SchedulerOutput, req_ids: list[str]) -> StepInputs:
         if self.copies_done is not None:
@@ -198,6 +202,7 @@ class ModelRunner:
         num_samples = len(sample_rows)
         np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
         inputs = StepInputs(
+            batch_rows=rows,
             num_reqs=num_reqs,
             num_tokens=num_tokens,
             input_ids=self.input_ids.copy_to_device(num_tokens),
@@ -263,22 +268,21 @@ class ModelRunner:
         index = bisect.bisect_left(sizes, inputs.num_reqs)
         return sizes[index] if index < len(sizes) else None
 
-    def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampling settings of the persistent-batch ``rows`` that sample this step."""
         batch = self.input_batch
-        n = len(req_ids)
-        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, n)
+        n = len(rows)
         temperature = np.take(batch.temperature, rows, out=self.temperature.np[:n])
         top_k = np.take(batch.top_k, rows, out=self.top_k.np[:n])
         top_p = np.take(batch.top_p, rows, out=self.top_p.np[:n])
         generators = {}
-        for i, row in enumerate(rows):
-            params = batch.sampling_params[row]
-            if params.seed is not None and not params.greedy:
-                # Reseed per output position: the draw depends only on (seed, position), so it survives
-                # preemption and does not depend on what else is in the batch.
-                position = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
-                seed = hash((params.seed, position)) & (2**63 - 1)
-                generators[i] = torch.Generator(device=self.device).manual_seed(seed)
+        for i in np.flatnonzero(batch.seed[rows] >= 0).tolist():
+            row = rows[i]
+            # Reseed per output position: the draw depends only on (seed, position), so it survives
+            # preemption and does not depend on what else is in the batch.
+            position = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
+            seed = hash((int(batch.seed[row]), position)) & (2**63 - 1)
+            generators[i] = torch.Generator(device=self.device).manual_seed(seed)
         return SamplingMetadata(
             temperature=self.temperature.copy_to_device(n),
             top_k=self.top_k.copy_to_device(n) if top_k.any() else None,
