@@ -1,4 +1,8 @@
-"""RMSNorm, with the residual add fused in the way decoder layers use it."""
+"""RMSNorm, with the residual add fused in the way decoder layers use it.
+
+CUDA tensors take one Triton launch (``triton_ops.rms_norm``); the PyTorch code below is its slow
+twin, run everywhere else and tested against it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,11 @@ from typing import overload
 
 import torch
 from torch import nn
+
+try:
+    from micro_vllm.layers import triton_ops
+except ImportError:  # Triton is optional: without it CUDA runs the PyTorch code too
+    triton_ops = None
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +39,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if triton_ops is not None and x.is_cuda:
+            return triton_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._normalize(x)
         x = x + residual

@@ -2,6 +2,8 @@
 
 Supports the original RoPE and Llama 3's frequency scaling (``rope_type: "llama3"``). Settings are read
 from ``config.rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (older configs).
+CUDA tensors are rotated by one Triton launch for q and k (``triton_ops.rotary_embedding``); the
+PyTorch code is its slow twin.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+try:
+    from micro_vllm.layers import triton_ops
+except ImportError:  # Triton is optional: without it CUDA runs the PyTorch code too
+    triton_ops = None
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -78,6 +85,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if triton_ops is not None and query.is_cuda:
+            return triton_ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

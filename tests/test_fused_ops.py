@@ -1,0 +1,277 @@
+"""The fused Triton ops (layers/triton_ops.py) against their PyTorch twins in layers/, on fresh random
+inputs each run.
+
+Each test draws its seed from os.urandom (printed, so a failure shows it; set MICRO_VLLM_TEST_SEED
+to replay one). On CPU the kernels run under Triton's interpreter (conftest.py sets
+TRITON_INTERPRET=1), so shapes stay small; the gpu-marked tests repeat the comparison at real sizes,
+replay the ops in a CUDA graph, and run a tiny Qwen3 through both paths.
+
+What "matches" means: PyTorch rounds each elementwise op's fp32 result to the tensor's dtype and the
+kernels round at the same points, so rotary embedding and the residual sum are bit-exact in every
+dtype. Two things may still move a result by one ulp: the order of RMSNorm's fp32 variance sum, and,
+on CPU only, numpy's exp against PyTorch's inside SiLU; the final multiply (by the norm weight, by
+the up projection) can stretch that ulp to two. So fp32 is held within 1e-6, and fp16/bf16 within
+two ulps with at most 0.1% of the elements (plus two) off at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+pytest.importorskip("triton")
+
+from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
+from micro_vllm.layers import activation, norm, rotary, triton_ops  # noqa: E402
+from micro_vllm.layers.activation import SiluAndMul  # noqa: E402
+from micro_vllm.layers.norm import RMSNorm  # noqa: E402
+from micro_vllm.layers.rotary import RotaryEmbedding  # noqa: E402
+from micro_vllm.model_loader.default import load_hf_config, load_model  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=1024,  # below max_position, so all three bands are in use
+)
+MAX_POSITION = 4096
+
+
+@pytest.fixture(autouse=True)
+def seed() -> int:
+    seed = int(os.environ.get("MICRO_VLLM_TEST_SEED", 0)) or int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed} (replay with MICRO_VLLM_TEST_SEED={seed})")
+    torch.manual_seed(seed)
+    return seed
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to the rare ulps the module docstring allows."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        return
+    finfo = torch.finfo(want.dtype)
+    # An ulp of a normal number x is at most eps * |x|; atol covers the subnormal range.
+    torch.testing.assert_close(got, want, rtol=2 * finfo.eps, atol=2 * finfo.smallest_normal * finfo.eps)
+    # The rare ulp is allowed, a systematic one (say, truncating instead of rounding) is not.
+    off = int((got != want).sum())
+    assert off <= 2 + want.numel() // 1000, f"{off} of {want.numel()} elements differ"
+
+
+def random_norm(hidden: int, dtype: torch.dtype, device: str = "cpu") -> RMSNorm:
+    layer = RMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
+    layer.weight.data.uniform_(0.5, 1.5)
+    return layer
+
+
+def fused_qkv(
+    tokens: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the column slices of one qkv projection output, as the model passes them."""
+    qkv = 2 * torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, device=device)
+    q, k, _ = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
+    return q, k
+
+
+@contextlib.contextmanager
+def pytorch_layers() -> Iterator[None]:
+    """The layers run their PyTorch code, even on CUDA."""
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (norm, rotary, activation):
+            patch.setattr(module, "triton_ops", None)
+        yield
+
+
+# --- CPU, under the interpreter -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden, tokens", [(64, 33), (1000, 7), (1024, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype: torch.dtype, hidden: int, tokens: int) -> None:
+    layer = random_norm(hidden, dtype)
+    x, residual = 3 * torch.randn(2, tokens, hidden, dtype=dtype)
+    assert_matches(triton_ops.rms_norm(x, layer.weight, layer.eps), layer(x))
+
+    out, new_residual = triton_ops.rms_norm(x, layer.weight, layer.eps, residual)
+    want_out, want_residual = layer(x, residual)
+    assert torch.equal(new_residual, want_residual)
+    assert_matches(out, want_out)
+
+
+def test_rms_norm_promotes_to_the_weight_dtype() -> None:
+    layer = random_norm(64, torch.float32)  # an fp32 weight on bf16 activations: fp32 out, as in PyTorch
+    x, residual = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    out, new_residual = triton_ops.rms_norm(x, layer.weight, layer.eps, residual)
+    want_out, want_residual = layer(x, residual)
+    assert out.dtype == torch.float32 and new_residual.dtype == torch.bfloat16
+    assert torch.equal(new_residual, want_residual)
+    assert_matches(out, want_out)
+
+
+@pytest.mark.parametrize("head_size, tokens", [(64, 7), (128, 33)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_strided_views(dtype: torch.dtype, head_size: int, tokens: int) -> None:
+    """Qwen3's q/k norm: rows are (token, head) pairs of a column slice of the fused qkv output."""
+    layer = random_norm(head_size, dtype)
+    q, k = fused_qkv(tokens, 4, 2, head_size, dtype)
+    for flat in (q, k):
+        heads = flat.unflatten(-1, (-1, head_size))
+        assert not heads.is_contiguous()
+        before = heads.clone()
+        assert_matches(triton_ops.rms_norm(heads, layer.weight, layer.eps), layer(heads))
+        assert torch.equal(heads, before)
+
+
+@pytest.mark.parametrize(
+    "head_size, tokens, rope",
+    [(64, 33, LLAMA3_ROPE), (128, 7, LLAMA3_ROPE), (128, 1, dict(rope_type="default", rope_theta=1e6))],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding(dtype: torch.dtype, head_size: int, tokens: int, rope: dict) -> None:
+    layer = RotaryEmbedding(head_size, MAX_POSITION, rope)
+    q, k = fused_qkv(tokens, 4, 2, head_size, dtype)
+    positions = torch.randint(0, MAX_POSITION, (tokens,))  # unordered, repeats allowed
+    before = q.clone(), k.clone()
+    got = triton_ops.rotary_embedding(positions, q, k, layer.cos_sin_cache, head_size)
+    want = layer(positions, q, k)
+    for got_part, want_part in zip(got, want, strict=True):
+        assert got_part.is_contiguous()
+        assert torch.equal(got_part, want_part)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
+def test_rotary_embedding_head_size_not_a_power_of_two() -> None:
+    layer = RotaryEmbedding(96, MAX_POSITION, LLAMA3_ROPE)
+    q, k = fused_qkv(5, 3, 1, 96, torch.bfloat16)
+    positions = torch.randint(0, MAX_POSITION, (5,))
+    got = triton_ops.rotary_embedding(positions, q, k, layer.cos_sin_cache, 96)
+    for got_part, want_part in zip(got, layer(positions, q, k), strict=True):
+        assert torch.equal(got_part, want_part)
+
+
+@pytest.mark.parametrize("shape", [(33, 2 * 1000), (7, 2 * 1536), (1, 2 * 64), (2, 5, 2 * 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    # Scaled so the gate reaches the saturated ends of SiLU as well as its bend.
+    gate_up = 4 * torch.randn(shape, dtype=dtype)
+    assert_matches(triton_ops.silu_and_mul(gate_up), SiluAndMul()(gate_up))
+
+
+def test_empty_batch() -> None:
+    layer, rope = random_norm(64, torch.bfloat16), RotaryEmbedding(64, 16, LLAMA3_ROPE)
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    out, new_residual = triton_ops.rms_norm(x, layer.weight, layer.eps, x)
+    assert out.shape == new_residual.shape == (0, 64)
+    q, k = fused_qkv(0, 2, 1, 64, torch.bfloat16)
+    no_positions = torch.empty(0, dtype=torch.long)
+    q_out, k_out = triton_ops.rotary_embedding(no_positions, q, k, rope.cos_sin_cache, 64)
+    assert q_out.shape == (0, 128) and k_out.shape == (0, 64)
+    assert triton_ops.silu_and_mul(torch.empty(0, 128)).shape == (0, 64)
+
+
+# --- CUDA -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+class TestCuda:
+    """Real sizes (Qwen3-0.6B's widths, 256 decode tokens), bf16, through the layers' own dispatch."""
+
+    TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, INTERMEDIATE = 256, 1024, 16, 8, 128, 3072
+
+    def test_layers_take_the_triton_path_and_match_pytorch(self) -> None:
+        dtype, device = torch.bfloat16, "cuda"
+        layer, head_norm = random_norm(self.HIDDEN, dtype, device), random_norm(self.HEAD_SIZE, dtype, device)
+        rope = RotaryEmbedding(self.HEAD_SIZE, MAX_POSITION, LLAMA3_ROPE).to(device)
+        x, residual = 3 * torch.randn(2, self.TOKENS, self.HIDDEN, dtype=dtype, device=device)
+        q, k = fused_qkv(self.TOKENS, self.HEADS, self.KV_HEADS, self.HEAD_SIZE, dtype, device)
+        positions = torch.randint(0, MAX_POSITION, (self.TOKENS,), device=device)
+        gate_up = 4 * torch.randn(self.TOKENS, 2 * self.INTERMEDIATE, dtype=dtype, device=device)
+
+        def run() -> list[torch.Tensor]:
+            return [
+                layer(x),
+                *layer(x, residual),
+                head_norm(q.unflatten(-1, (-1, self.HEAD_SIZE))),
+                *rope(positions, q, k),
+                SiluAndMul()(gate_up),
+            ]
+
+        fused = run()
+        assert torch.equal(fused[0], triton_ops.rms_norm(x, layer.weight, layer.eps))  # dispatched
+        with pytorch_layers():
+            eager = run()
+        for index, (got, want) in enumerate(zip(fused, eager, strict=True)):
+            if index in (2, 4, 5):  # the residual sum and rotary embedding: bit-exact
+                assert torch.equal(got, want)
+            else:
+                assert_matches(got, want)
+
+    def test_cuda_graph_replay(self) -> None:
+        dtype, device = torch.bfloat16, "cuda"
+        layer = random_norm(self.HIDDEN, dtype, device)
+        rope = RotaryEmbedding(self.HEAD_SIZE, MAX_POSITION, LLAMA3_ROPE).to(device)
+        x, residual = torch.randn(2, self.TOKENS, self.HIDDEN, dtype=dtype, device=device)
+        q, k = fused_qkv(self.TOKENS, self.HEADS, self.KV_HEADS, self.HEAD_SIZE, dtype, device)
+        positions = torch.randint(0, MAX_POSITION, (self.TOKENS,), device=device)
+        gate_up = torch.randn(self.TOKENS, 2 * self.INTERMEDIATE, dtype=dtype, device=device)
+
+        def run() -> list[torch.Tensor]:
+            return [*layer(x, residual), *rope(positions, q, k), SiluAndMul()(gate_up)]
+
+        run()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        for tensor in (x, residual, q, k, gate_up):
+            tensor.copy_(torch.randn_like(tensor))
+        positions.copy_(torch.randint_like(positions, MAX_POSITION))
+        graph.replay()
+        for got, want in zip(captured, run(), strict=True):
+            assert torch.equal(got, want)
+
+    def test_tiny_qwen3_forward(self, tmp_path) -> None:
+        path = make_tiny_model("qwen3", tmp_path)
+        model = load_model(path, load_hf_config(path), torch.bfloat16, torch.device("cuda"), "sdpa")
+        num_tokens, block_size = 40, 16
+        slots = torch.arange(block_size, block_size + num_tokens, device="cuda")  # blocks 1, 2 and 3
+        query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
+        seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_start_loc=query_start_loc.cuda(),
+            seq_lens=seq_lens.cuda(),
+            block_table=torch.tensor([[1, 2, 3]], dtype=torch.int32, device="cuda"),
+            slot_mapping=slots,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        input_ids = torch.randint(0, 256, (num_tokens,), device="cuda")
+        positions = torch.arange(num_tokens, device="cuda")
+
+        def forward() -> torch.Tensor:
+            for attn in model.attention_layers():
+                spec = attn.spec
+                shape = (2, 4, block_size, spec.num_kv_heads, spec.head_size)
+                attn.kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+            with torch.inference_mode():
+                layers = len(model.attention_layers())
+                return model.compute_logits(model(input_ids, positions, [metadata] * layers))
+
+        fused = forward()
+        with pytorch_layers():
+            eager = forward()
+        # Bit-equal unless an RMSNorm variance rounds differently somewhere; then bf16 noise follows.
+        torch.testing.assert_close(fused, eager, atol=2e-2, rtol=2e-2)
