@@ -51,10 +51,6 @@ class KVCacheManager:
     def num_usable_blocks(self) -> int:
         return self.block_pool.num_usable_blocks
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
-
     def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
         return sum(m.max_blocks_needed(num_tokens, max_chunk_tokens) for m in self.managers)
 

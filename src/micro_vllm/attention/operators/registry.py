@@ -53,11 +53,6 @@ def register_backend(name: str):
     return wrap
 
 
-def available_backends() -> list[str]:
-    _import_builtin_backends()
-    return sorted(_BACKENDS)
-
-
 def get_backend(name: str) -> AttentionBackend:
     _import_builtin_backends()
     if name not in _BACKENDS:
