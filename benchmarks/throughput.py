@@ -78,6 +78,15 @@ def profile_decode_steps(llm: LLM, prompts, temperature: float, skip_steps: int 
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
+def disable_fused_ops() -> None:
+    """Make the layers take their PyTorch path on CUDA too: the 'before' of the fused kernels,
+    measured in the same run as the 'after'."""
+    from micro_vllm.layers import activation, norm, rotary
+
+    for module in (activation, norm, rotary):
+        module.triton_ops = None
+
+
 def run_transformers(model_dir, prompts, max_new_tokens: int, temperature: float) -> tuple[int, float]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -115,10 +124,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of the whole recipe")
     parser.add_argument("--compare-hf", type=int, default=0, metavar="N", help="also run transformers on N requests")
     parser.add_argument("--hf-max-tokens", type=int, default=128, help="output tokens per request in the comparison")
+    parser.add_argument("--no-fused-ops", action="store_true", help="run the layers' PyTorch path (for before/after)")
     parser.add_argument("--profile", action="store_true", help="print a kernel profile of a few decode steps")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     args = parser.parse_args()
 
+    if args.no_fused_ops:
+        disable_fused_ops()
     model_dir = args.model or str(build_random_model())
     prompts, max_tokens = recipe_requests(args.num_requests)
     engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
