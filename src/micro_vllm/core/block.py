@@ -74,13 +74,12 @@ class BlockPool:
     """All blocks of the cache, shared by every KV cache group; owns the free queue and the prefix
     cache table, and reports allocations and evictions to an optional listener (the trace)."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} is too small: one block is reserved, one more is needed")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.enable_caching = enable_caching
         self.prefix_cache = PrefixCache()
         self.events: list[dict] | None = None  # block-level trace events, when that is turned on
 

@@ -38,7 +38,7 @@ class KVCacheManager:
         self.groups = groups
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.managers = [make_manager(g.spec, self.block_pool, block_size, i) for i, g in enumerate(groups)]
         self._no_hit: BlocksPerGroup = [[] for _ in groups]  # read only
         self._no_block_ids: BlockIds = ((),) * len(groups)
