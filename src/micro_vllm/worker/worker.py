@@ -34,7 +34,8 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
         return getattr(torch, dtype)
     if device.type == "cpu":
         return torch.float32
-    checkpoint = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    # transformers 5 calls it dtype; older configs torch_dtype (reading that name in 5 warns).
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
