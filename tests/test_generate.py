@@ -128,3 +128,12 @@ def test_top_k_one_is_greedy(model_dirs):
     top1 = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=1.5, top_k=1, ignore_eos=True),
                         use_tqdm=False)
     assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in top1]
+
+
+def test_greedy_rows_stay_greedy_beside_sampled_rows(model_dirs):
+    llm = _llm(model_dirs["llama_untied"], "sdpa")
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.8, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].output_token_ids
+    mixed = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [sampled, greedy, sampled], use_tqdm=False)
+    assert mixed[1].output_token_ids == alone

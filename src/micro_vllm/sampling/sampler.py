@@ -18,6 +18,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # int32 [n], 0 = off; None when no row uses it
     top_p: torch.Tensor | None  # float32 [n], 1 = off; None when no row uses it
     all_greedy: bool
+    all_random: bool  # no greedy row: the argmax of the raw logits is not needed
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its seeded generator
 
 
@@ -40,16 +41,17 @@ class Sampler:
         self.generator = generator  # for rows without a seed of their own
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
         temperature = metadata.temperature
-        logits = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
+        scaled = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
         if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = logits.softmax(dim=-1)
+            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+        probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():
             noise[row].exponential_(generator=generator)
         sampled = probs.div_(noise).argmax(dim=-1)
-        return torch.where(temperature > 0, sampled, greedy)
+        if metadata.all_random:
+            return sampled
+        return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))

@@ -288,6 +288,7 @@ class ModelRunner:
             top_k=self.top_k.copy_to_device(n) if top_k.any() else None,
             top_p=self.top_p.copy_to_device(n) if (top_p < 1).any() else None,
             all_greedy=bool((temperature == 0).all()),
+            all_random=bool((temperature > 0).all()),
             generators=generators,
         )
 
@@ -371,6 +372,6 @@ class ModelRunner:
         temperature = torch.ones(num_reqs, device=self.device)
         top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=self.device)
         top_p = torch.full((num_reqs,), 0.9, device=self.device)
-        Sampler()(logits, SamplingMetadata(temperature, top_k, top_p, all_greedy=False))
+        Sampler()(logits, SamplingMetadata(temperature, top_k, top_p, all_greedy=False, all_random=True))
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
