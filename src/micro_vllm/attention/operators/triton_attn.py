@@ -336,9 +336,9 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
-    # Measured on an H200 (Qwen3-0.6B shape, contexts 2000 to 16000): the best total is about two
-    # programs per SM (a decode program holds ~128 KiB of pipelined K/V tiles in shared memory);
-    # with more (request, KV head) pairs than that, splitting only adds the merge.
+    # Aim at about two programs per SM (a decode program holds ~128 KiB of pipelined K/V tiles in
+    # shared memory); with more (request, KV head) pairs than that, splitting only adds the merge.
+    # Chosen from a one-off tuning sweep on an H200 (2026-11-29), not yet a benchmark in benchmarks/.
     per_pair = 2 * _num_sms(device) // (num_reqs * num_kv_heads)
     if per_pair < 2:
         return 1
@@ -353,7 +353,7 @@ class _Tiles(NamedTuple):
 
 
 def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
-    """Tile shape and launch parameters; a function so benchmarks can swap it.
+    """Tile shape and launch parameters for a batch of this shape.
 
     Decode-like batches take 16 rows, the smallest tl.dot, and are memory-bound; prefill takes a
     taller tile so each K/V tile loaded serves more queries.
