@@ -56,7 +56,8 @@ class StagedBuffer:
         """Copy the first ``n`` rows (of a 2-D buffer, only their first ``cols`` columns) and return
         the device rows."""
         if self.device is not self.cpu:
-            self.device[:n, :cols].copy_(self.cpu[:n, :cols], non_blocking=True)
+            index = (slice(n),) if cols is None else (slice(n), slice(cols))
+            self.device[index].copy_(self.cpu[index], non_blocking=True)
         return self.device[:n]
 
 
