@@ -18,7 +18,7 @@ for stage in $stages; do
   echo "=== $stage"
   case $stage in
     # The engine-level tests first: they are the ones a short lease must not cut off.
-    tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/ 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/test_gpu.py tests/ 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
     throughput) python3 benchmarks/throughput.py --compare-hf 16 --profile --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/throughput.log" || status=1 ;;
     latency) python3 benchmarks/latency.py --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/latency.log" || status=1 ;;
     eager) python3 benchmarks/throughput.py --enforce-eager --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/eager.log" || status=1 ;;

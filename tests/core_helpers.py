@@ -54,13 +54,10 @@ def make_scheduler(
 
 
 def fake_output(plan: SchedulerOutput, scheduler: Scheduler, token=7) -> ModelRunnerOutput:
-    """Sample ``token`` for every request whose known tokens are all computed after this step."""
+    """Sample ``token`` for every request the plan counts a placeholder for (right after ``schedule``,
+    with no other step in flight: those whose known tokens are all computed after this step)."""
     req_ids = list(plan.num_scheduled_tokens)
-    sampled = []
-    for rid in req_ids:
-        request = scheduler.requests[rid]
-        done = request.num_computed_tokens + plan.num_scheduled_tokens[rid] == request.num_tokens
-        sampled.append([token] if done else [])
+    sampled = [[token] if scheduler.requests[rid].num_output_placeholders else [] for rid in req_ids]
     return ModelRunnerOutput(req_ids, sampled)
 
 
@@ -135,7 +132,8 @@ def check_cached_blocks(scheduler: Scheduler) -> None:
         for request_id, blocks in manager.req_to_blocks.items():
             request = scheduler.requests[request_id]
             expected = chained_hashes(request.all_token_ids, block_size)
-            num_full = request.num_computed_tokens // block_size
+            # A block that ends in a token still in flight is hashed once that token is known.
+            num_full = min(request.num_computed_tokens, request.num_tokens) // block_size
             for i, block in enumerate(blocks):
                 if block.is_null:
                     continue
@@ -157,13 +155,14 @@ def check_request_states(scheduler: Scheduler) -> None:
     assert len(running_ids) <= scheduler.config.max_num_seqs
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING
-        assert request.num_computed_tokens <= request.num_tokens <= scheduler.max_model_len
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        assert request.num_computed_tokens <= num_tokens <= scheduler.max_model_len
         for manager in kv.managers:
             num_blocks = len(manager.req_to_blocks.get(request.request_id, ()))
             assert num_blocks == cdiv(request.num_computed_tokens, kv.block_size)
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert request.num_computed_tokens == 0
+        assert request.num_computed_tokens == 0 and request.num_output_placeholders <= 1
         assert not any(m.req_to_blocks.get(request.request_id) for m in kv.managers), "a waiting request holds blocks"
 
 
@@ -184,10 +183,16 @@ class FakeRunner:
     A slot holds the id of the whole prefix that ends at its position (what real K/V depend on), so
     a read that finds another request's or another position's K/V fails. The sampled token depends
     only on the request's tokens, like greedy decoding: any scheduling must give the same outputs.
+
+    With ``async_scheduling`` the next step is planned before this one's tokens reach the scheduler,
+    as the Engine does: the runner knows each sampled token at once (as the GPU does), the scheduler
+    one step later.
     """
 
-    def __init__(self, scheduler: Scheduler, vocab_size: int = 5) -> None:
+    def __init__(self, scheduler: Scheduler, vocab_size: int = 5, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
+        self.async_scheduling = async_scheduling
+        self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
         self.vocab_size = vocab_size
         kv = scheduler.kv_cache_manager
         self.block_size = kv.block_size
@@ -220,7 +225,13 @@ class FakeRunner:
     def step(self) -> list[Request]:
         """One engine step with every invariant checked after it."""
         plan = self.scheduler.schedule()
-        finished = self.scheduler.update_from_output(plan, self.execute(plan))
+        output = self.execute(plan)
+        if not plan.is_empty:
+            self.in_flight.append((plan, output))
+        finished = []
+        depth = 2 if self.async_scheduling else 1
+        if self.in_flight and (len(self.in_flight) >= depth or plan.is_empty):
+            finished = self.scheduler.update_from_output(*self.in_flight.pop(0))
         check_invariants(self.scheduler)
         return finished
 
@@ -242,15 +253,15 @@ class FakeRunner:
             request = scheduler.requests[new.req_id]
             assert new.block_ids == kv.get_block_ids(new.req_id)
             assert list(new.token_ids) == request.all_token_ids
-            assert new.num_computed_tokens == request.num_computed_tokens
+            assert new.num_computed_tokens + counts[new.req_id] == request.num_computed_tokens
             assert new.num_computed_tokens % self.block_size == 0, "a prefix hit is not whole blocks"
             # The last-token rule: a hit never covers the last token, whose logits are needed.
             assert new.num_computed_tokens < len(new.token_ids)
         for cached in plan.scheduled_cached_reqs:
-            assert cached.num_computed_tokens == scheduler.requests[cached.req_id].num_computed_tokens
-        for req_id, n in counts.items():
+            assert cached.num_computed_tokens + counts[cached.req_id] == scheduler.requests[cached.req_id].num_computed_tokens
+        for req_id in counts:
             request = scheduler.requests[req_id]
-            assert request.num_computed_tokens + n <= request.num_tokens
+            assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
 
     def _apply(self, plan: SchedulerOutput) -> None:
         """What the real runner does to its persistent batch."""
@@ -270,7 +281,11 @@ class FakeRunner:
                 table.extend(ids)
         kv = self.scheduler.kv_cache_manager
         for req_id in plan.num_scheduled_tokens:
-            assert self.tokens[req_id] == self.scheduler.requests[req_id].all_token_ids
+            # The scheduler lags behind by the tokens still in flight.
+            request = self.scheduler.requests[req_id]
+            known = request.all_token_ids
+            assert self.tokens[req_id][: len(known)] == known
+            assert len(self.tokens[req_id]) - len(known) <= request.num_output_placeholders
             for table, manager in zip(self.tables[req_id], kv.managers):
                 blocks = manager.req_to_blocks[req_id]
                 # The runner keeps the ids a sliding window has let go of; it never reads them.

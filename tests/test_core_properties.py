@@ -2,7 +2,7 @@
 
 Hypothesis draws the cache (block size 1/2/4/16, full attention, a sliding window or both as two
 groups, prefix caching on or off, a capacity that holds the longest request alone plus a few blocks),
-the budgets, and the requests: arrival steps, prompts cut from a few shared prefixes (so prefix
+the budgets, sync or async scheduling, and the requests: arrival steps, prompts cut from a few shared prefixes (so prefix
 hits, and blocks whose tokens repeat under other parents, are common), output lengths and aborts.
 After every step the design notes' invariants are checked (``core_helpers.check_invariants``), and
 the ``FakeRunner`` checks the plan and every K/V read; at the end every request has finished with
@@ -43,6 +43,7 @@ class Scenario:
     enable_caching: bool
     extra_blocks: int  # beyond what the longest request needs
     arrivals: tuple[Arrival, ...]
+    async_scheduling: bool = False
 
     def make_scheduler(self, enable_caching: bool | None = None, extra_blocks: int | None = None):
         specs = SPECS[self.specs](self.window)
@@ -93,12 +94,17 @@ def scenarios(draw, aborts: bool = True) -> Scenario:
         enable_caching=draw(st.sampled_from([True, True, False])),
         extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 20])),
         arrivals=tuple(requests),
+        async_scheduling=draw(st.booleans()),
     )
 
 
-def run(scenario: Scenario, scheduler, max_steps: int = 20_000) -> tuple[list[Request], set[str], FakeRunner]:
+def run(
+    scenario: Scenario, scheduler, max_steps: int = 20_000, async_scheduling: bool | None = None
+) -> tuple[list[Request], set[str], FakeRunner]:
     """Add, abort and step as the scenario says until nothing is left; return requests and aborts."""
-    runner = FakeRunner(scheduler)
+    if async_scheduling is None:
+        async_scheduling = scenario.async_scheduling
+    runner = FakeRunner(scheduler, async_scheduling=async_scheduling)
     requests = [make_request(list(a.prompt), max_tokens=a.max_tokens) for a in scenario.arrivals]
     aborted: set[str] = set()
     for step in range(max_steps):
@@ -137,10 +143,11 @@ def test_invariants_hold_after_every_step(scenario):
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(aborts=False))
 def test_outputs_do_not_depend_on_caching_or_capacity(scenario):
-    """The fake runner samples from the prefix alone, like greedy decoding: prefix hits, preemption
-    and chunking change how a request is computed, never what it outputs."""
-    tight_cached = run(scenario, scenario.make_scheduler(enable_caching=True, extra_blocks=0))[0]
-    roomy_uncached = run(scenario, scenario.make_scheduler(enable_caching=False, extra_blocks=500))[0]
+    """The fake runner samples from the prefix alone, like greedy decoding: prefix hits, preemption,
+    chunking and async scheduling change how a request is computed, never what it outputs."""
+    tight_cached = run(scenario, scenario.make_scheduler(enable_caching=True, extra_blocks=0), async_scheduling=True)[0]
+    roomy_uncached = run(scenario, scenario.make_scheduler(enable_caching=False, extra_blocks=500),
+                         async_scheduling=False)[0]
     assert [r.output_token_ids for r in tight_cached] == [r.output_token_ids for r in roomy_uncached]
 
 

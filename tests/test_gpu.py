@@ -460,6 +460,34 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs):
     assert reseeded != alone
 
 
+# -- async scheduling ---------------------------------------------------------------------------
+
+
+def test_async_scheduling_matches_the_synchronous_loop(model_dirs):
+    """fp32, triton, CUDA graphs. With async scheduling (the default) a decode takes the token the
+    step before sampled straight from the device; the tokens must be those of the synchronous loop,
+    also for requests that stop early (a stop token) while their next step is already planned."""
+    family = "qwen3"
+    prompts = GRAPH_PROMPTS
+    with engine(model_dirs[family], dtype="float32", async_scheduling=False) as sync:
+        free = token_ids(sync.generate(prompts, [greedy(m) for m in GRAPH_MAX_TOKENS], use_tqdm=False))
+        # Every third request stops at its third token.
+        params = [
+            dataclasses.replace(greedy(m), ignore_eos=False, stop_token_ids=[t[2]]) if i % 3 == 0 and m > 3 else greedy(m)
+            for i, (m, t) in enumerate(zip(GRAPH_MAX_TOKENS, free))
+        ]
+        expected = sync.generate(prompts, params, use_tqdm=False)
+    with engine(model_dirs[family], dtype="float32") as planned_ahead:
+        assert planned_ahead.engine.config.scheduler_config.async_scheduling
+        outputs = planned_ahead.generate(prompts, params, use_tqdm=False)
+        assert not planned_ahead.engine.in_flight
+    assert [(o.output_token_ids, o.finish_reason) for o in outputs] == [
+        (o.output_token_ids, o.finish_reason) for o in expected
+    ]
+    stopped = [o for o in expected if o.finish_reason == "stop"]
+    assert len(stopped) >= 5 and all(len(o.output_token_ids) <= 3 for o in stopped)
+
+
 # -- pinned step buffers ------------------------------------------------------------------------
 
 

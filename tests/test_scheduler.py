@@ -43,6 +43,7 @@ def test_max_num_seqs_limits_running_requests():
         scheduler.add_request(r)
     plan = scheduler.schedule()
     assert list(plan.num_scheduled_tokens) == [requests[0].request_id, requests[1].request_id]
+    scheduler.update_from_output(plan, fake_output(plan, scheduler))
     finished = run_to_completion(scheduler, check=lambda s, p: len(s.running) <= 2)
     assert {r.request_id for r in finished} >= {r.request_id for r in requests[2:]}
 
@@ -123,7 +124,9 @@ def test_abort_frees_blocks_and_leaves_others():
     scheduler.update_from_output(plan, fake_output(plan, scheduler))
     scheduler.finish_requests([a.request_id], RequestStatus.FINISHED_ABORTED)
     assert a.finish_reason == "abort"
-    assert scheduler.schedule().finished_req_ids == {a.request_id}
+    plan = scheduler.schedule()
+    assert plan.finished_req_ids == {a.request_id}
+    scheduler.update_from_output(plan, fake_output(plan, scheduler))
     run_to_completion(scheduler)
     assert b.num_output_tokens == 5
     kv = scheduler.kv_cache_manager
@@ -228,3 +231,35 @@ def test_sliding_window_runs_a_request_longer_than_the_cache():
 
     run_to_completion(scheduler, check=check)
     assert request.num_output_tokens == 80 and peak <= 7
+
+
+def test_async_scheduling_plans_ahead_and_drops_the_token_after_a_stop():
+    """The next plan is made before the last step's tokens are back: each request counts the token
+    in flight as a placeholder, a request whose last allowed token is in flight is not planned
+    again, and a token sampled after a stop is dropped."""
+    from micro_vllm.outputs import ModelRunnerOutput
+
+    scheduler = make_scheduler()
+    capped = make_request(4, max_tokens=3)
+    stopping = make_request(4, max_tokens=10, stop_token_ids=[5])
+    for r in (capped, stopping):
+        scheduler.add_request(r)
+    first = scheduler.schedule()
+    assert capped.num_computed_tokens == 4 and capped.num_output_placeholders == 1
+    second = scheduler.schedule()  # planned before `first` returns: each decodes its token in flight
+    assert dict(second.num_scheduled_tokens) == {capped.request_id: 1, stopping.request_id: 1}
+    assert capped.num_output_placeholders == 2
+
+    def returns(plan, tokens):
+        return scheduler.update_from_output(plan, ModelRunnerOutput(list(tokens), [[t] for t in tokens.values()]))
+
+    assert returns(first, {capped.request_id: 3, stopping.request_id: 5}) == [stopping]
+    third = scheduler.schedule()
+    assert third.finished_req_ids == {stopping.request_id}
+    assert dict(third.num_scheduled_tokens) == {capped.request_id: 1}
+    assert returns(second, {capped.request_id: 3, stopping.request_id: 9}) == []
+    assert stopping.output_token_ids == [5]  # the token planned after the stop is dropped
+    assert scheduler.schedule().is_empty  # capped's third and last token is in flight
+    assert returns(third, {capped.request_id: 3}) == [capped]
+    assert capped.output_token_ids == [3, 3, 3] and capped.finish_reason == "length"
+    check_all_free(scheduler)

@@ -41,9 +41,12 @@ class SchedulerConfig:
     """The budgets of one engine step (vLLM's names and meanings)."""
 
     max_model_len: int | None = None  # prompt + output; None takes the model's max_position_embeddings
-    max_num_batched_tokens: int = 8192  # tokens computed in one step, prefill chunks and decodes together
-    max_num_seqs: int = 256  # requests running at once
+    # vLLM's defaults for offline use on a large GPU: room for every request of a big batch at once.
+    max_num_batched_tokens: int = 16384  # tokens computed in one step, prefill chunks and decodes together
+    max_num_seqs: int = 1024  # requests running at once
     enable_chunked_prefill: bool = True
+    # Plan step N+1 while the device runs step N; a request that stops early costs one wasted token.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):

@@ -55,12 +55,14 @@ class SingleTypeKVCacheManager(ABC):
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash the blocks that ``num_tokens`` fills; they are full and never written again."""
+        """Hash the blocks that ``num_tokens`` fills; they are full and never written again. A block
+        that ends in a token still in flight is hashed at a later step, once its id is known."""
         num_full = num_tokens // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:  # most decode steps fill no block
             return
         block_hashes = update_block_hashes(request, self.block_size)
+        num_full = min(num_full, len(block_hashes))
         blocks = self.req_to_blocks[request.request_id]
         for i in range(start, num_full):
             block = blocks[i]

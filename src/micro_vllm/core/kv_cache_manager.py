@@ -96,10 +96,14 @@ class KVCacheManager:
                 self.block_pool.touch(blocks)
                 manager.save_new_computed_blocks(request_id, blocks)
         new_blocks = [m.allocate_new_blocks(request_id, num_tokens) for m in self.managers]
+        self.cache_blocks(request, num_tokens)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Make the full blocks among the first ``num_computed_tokens`` tokens reusable."""
         if self.enable_caching:
             for manager in self.managers:
-                manager.cache_blocks(request, num_tokens)
-        return new_blocks
+                manager.cache_blocks(request, num_computed_tokens)
 
     def to_block_ids(self, blocks_per_group: BlocksPerGroup) -> BlockIds:
         """The ids of ``allocate_slots``' new blocks, as the plan carries them."""

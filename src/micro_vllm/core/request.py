@@ -30,7 +30,8 @@ _FINISH_REASONS = {
 
 class Request:
     """One generation request. There is no prefill or decode phase: the scheduler only compares
-    ``num_computed_tokens`` with ``num_tokens`` (prompt plus output so far)."""
+    ``num_computed_tokens`` with ``num_tokens`` (prompt plus output so far) plus
+    ``num_output_placeholders`` (tokens sampled on the device whose ids have not reached the host)."""
 
     def __init__(
         self,
@@ -47,7 +48,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # advanced when a step is scheduled, not when it returns
+        self.num_output_placeholders = 0  # sampled in a step still in flight
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # one per full block, filled by the KV cache manager

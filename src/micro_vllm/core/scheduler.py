@@ -4,6 +4,10 @@ There is no prefill phase and decode phase. Each step gives every running reques
 needs (a decode needs one token, a prompt many), then admits waiting requests, all under
 ``max_num_batched_tokens`` and ``max_num_seqs``; a long prompt is cut into chunks. A request that
 cannot get blocks preempts the most recently admitted one, which is recomputed later.
+
+Scheduling a step advances ``num_computed_tokens`` at once and counts the token the step will
+sample as an output placeholder, so the next step can be planned before this one's results are
+back (async scheduling); ``update_from_output`` then only appends tokens and checks stops.
 """
 
 from __future__ import annotations
@@ -90,7 +94,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if self._final_token_pending(request):
+                index += 1
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          step.budget)
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -99,10 +107,10 @@ class Scheduler:
                 if victim is request:
                     return
                 new_blocks = kv.allocate_slots(request, num_new)
-            step.add(request.request_id, num_new)
             step.cached_reqs.append(
                 CachedRequestData(request.request_id, kv.to_block_ids(new_blocks), request.num_computed_tokens)
             )
+            step.add(request, num_new)
             index += 1
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
@@ -110,6 +118,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:  # preempted while its last step runs: wait for its token
+                return
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if num_new > step.budget and not self.config.enable_chunked_prefill:
@@ -123,7 +133,6 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:  # the first admission's hit; a resumption is no new hit
                 request.num_cached_tokens = num_computed
-            step.add(request.request_id, num_new)
             step.new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -134,30 +143,41 @@ class Scheduler:
                     num_computed_tokens=num_computed,
                 )
             )
+            step.add(request, num_new)
 
     def update_from_output(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
-        """Advance the scheduled requests by the step's results; return those that finished."""
-        sampled = dict(zip(output.req_ids, output.sampled_token_ids))
+        """Append the step's sampled tokens and check stops; return the requests that finished.
+
+        With async scheduling a later step may already be planned: a request that stops here was
+        planned once more, and that step's token for it is dropped (it is gone from ``requests``)."""
         finished = []
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+        for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(request_id)
-            if request is None:  # aborted while the step ran
+            if request is None or not token_ids:  # finished or aborted meanwhile, or a middle prompt chunk
                 continue
-            request.num_computed_tokens += num_tokens
-            for token_id in sampled.get(request_id, ()):
-                request.append_output_token(token_id)
-                if self._check_stop(request):
-                    finished.append(request)
-                    break
+            request.num_output_placeholders -= 1
+            request.append_output_token(token_ids[0])
+            if request.num_computed_tokens == request.num_tokens:  # a later step computed it already
+                self.kv_cache_manager.cache_blocks(request, request.num_tokens)
+            if self._check_stop(request):
+                finished.append(request)
         if finished:
             # One pass over the running list per step, not one search per finished request.
             finished_ids = {r.request_id for r in finished}
             self.running = [r for r in self.running if r.request_id not in finished_ids]
             for request in finished:
+                if request in self.waiting:  # preempted while its last token was in flight
+                    self.waiting.remove(request)
                 self._free(request)
         return finished
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _final_token_pending(self, request: Request) -> bool:
+        """Whether a step in flight already samples this request's last allowed token."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        return (request.num_output_tokens + request.num_output_placeholders >= request.sampling_params.max_tokens
+                or num_tokens >= self.max_model_len)
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
@@ -193,6 +213,11 @@ class _StepBuilder:
         self.cached_reqs: list[CachedRequestData] = []
         self.preempted: list[Request] = []
 
-    def add(self, request_id: str, num_tokens: int) -> None:
-        self.num_scheduled[request_id] = num_tokens
+    def add(self, request: Request, num_tokens: int) -> None:
+        """Schedule ``num_tokens`` of ``request``: they count as computed from now on, and a step
+        that reaches the end of the known tokens samples one more (a placeholder until it returns)."""
+        self.num_scheduled[request.request_id] = num_tokens
         self.budget -= num_tokens
+        request.num_computed_tokens += num_tokens
+        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1

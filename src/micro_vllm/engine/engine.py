@@ -2,11 +2,15 @@
 
 The Engine wires the layers together once (model, KV cache sizing, scheduler) and then runs the
 step loop: plan -> execute -> update. It owns no scheduling or device logic itself.
+
+With async scheduling (the default) each step launches its plan and then applies the results of the
+step before it, so the host plans step N+1 while the device still runs step N.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -23,6 +27,7 @@ from micro_vllm.models.registry import get_model_class
 from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
 from micro_vllm.trace import Tracer, resolve_trace
+from micro_vllm.worker.model_runner import AsyncModelRunnerOutput
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -58,6 +63,7 @@ class Engine:
             groups, self.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
+        self.in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
         self.prompts: dict[str, str | None] = {}
         self.last_step_stats = StepStats(0, 0)
         self.tracer: Tracer | None = None
@@ -108,7 +114,7 @@ class Engine:
     # -- the step loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the requests that finished in it."""
+        """Launch one step and apply the results that are due; return the requests that finished."""
         if self.tracer is not None:
             return self._traced_step(self.tracer)
         return self._execute(self._schedule())
@@ -127,8 +133,13 @@ class Engine:
         return plan
 
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        output = self.executor.execute_model(plan)
-        finished = self.scheduler.update_from_output(plan, output)
+        self.in_flight.append((plan, self.executor.execute_model(plan)))
+        # Async: the step just launched stays in flight unless it is empty or nothing is left to wait for.
+        keep = 1 if self.config.scheduler_config.async_scheduling and not plan.is_empty else 0
+        finished = []
+        while self.in_flight and (len(self.in_flight) > keep or not self.scheduler.has_unfinished_requests()):
+            done_plan, output = self.in_flight.popleft()
+            finished += self.scheduler.update_from_output(done_plan, output.get_output())
         return [self._make_output(r) for r in finished]
 
     def _traced_step(self, tracer: Tracer) -> list[RequestOutput]:
@@ -142,11 +153,12 @@ class Engine:
 
     def _step_stats(self, plan: SchedulerOutput) -> StepStats:
         """Split the step's tokens into prefill and decode. A decode computes the one token a request
-        sampled last; everything else (prompt chunks, recomputation after preemption) is prefill."""
+        sampled last; everything else (prompt chunks, recomputation after preemption) is prefill.
+        (The plan has already advanced ``num_computed_tokens`` past this step's tokens.)"""
         decode, decode_ids = 0, []
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
-            if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1:
+            if num_tokens == 1 and request.num_computed_tokens > request.num_prompt_tokens:
                 decode += num_tokens
                 decode_ids.append(request_id)
         return StepStats(plan.total_num_scheduled_tokens - decode, decode, frozenset(decode_ids))

@@ -10,7 +10,7 @@ from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
-from micro_vllm.outputs import ModelRunnerOutput
+from micro_vllm.worker.model_runner import AsyncModelRunnerOutput
 from micro_vllm.worker.worker import Worker
 
 
@@ -27,7 +27,7 @@ class SingleProcessExecutor:
     def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         self.worker.initialize_kv_cache(groups, num_blocks)
 
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
         return self.worker.execute_model(plan)
 
     def shutdown(self) -> None:

@@ -17,7 +17,7 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_reqs, np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, np.int32)  # with those sampled but not yet on the host
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.block_tables = [np.zeros((max_num_reqs, n), np.int32) for n in max_blocks_per_req]
         self.num_blocks = [np.zeros(max_num_reqs, np.int32) for _ in max_blocks_per_req]
@@ -25,6 +25,8 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, np.int32)
         self.top_p = np.ones(max_num_reqs, np.float32)
         self.seed = np.full(max_num_reqs, -1, np.int64)  # -1: no seed of its own, or greedy
+        # Where the row's token is in the last step's sampled tensor; -1: it sampled nothing there.
+        self.last_sample_index = np.full(max_num_reqs, -1, np.int64)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -46,6 +48,7 @@ class InputBatch:
         self.top_k[row] = params.top_k if params.top_k > 0 else 0
         self.top_p[row] = params.top_p
         self.seed[row] = params.seed if params.seed is not None and not params.greedy else -1
+        self.last_sample_index[row] = -1
 
     def append_block_ids(self, row: int, block_ids: BlockIds) -> None:
         for table, count, ids in zip(self.block_tables, self.num_blocks, block_ids):
@@ -62,15 +65,10 @@ class InputBatch:
             self.req_ids[row] = moved
             self.row_of[moved] = row
             for array in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens, self.temperature,
-                          self.top_k, self.top_p, self.seed, *self.num_blocks):
+                          self.top_k, self.top_p, self.seed, self.last_sample_index, *self.num_blocks):
                 array[row] = array[last]
             n = self.num_tokens[row]
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for table, count in zip(self.block_tables, self.num_blocks):
                 table[row, : count[row]] = table[last, : count[row]]
         self.req_ids.pop()
-
-    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Append one sampled token to each of ``rows``."""
-        self.token_ids[rows, self.num_tokens[rows]] = token_ids
-        self.num_tokens[rows] += 1

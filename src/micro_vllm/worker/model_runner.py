@@ -2,7 +2,9 @@
 step's input tensors, runs the model (through a CUDA graph when the step is all decodes) and samples.
 
 The runner never sees Request objects: it learns everything from the plan's deltas and keeps the
-rest itself.
+rest itself. ``execute_model`` only launches the step: the sampled tokens come back through the
+returned ``AsyncModelRunnerOutput``, so the engine can plan the next step while the GPU works. A
+request that decodes right after the step that sampled its token takes that token from the device.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
 from micro_vllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
+
+MAX_CUDA_GRAPH_BATCH = 512  # larger decode batches run eagerly
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,45 @@ class StagedBuffer:
         return self.device[:n]
 
 
+class AsyncModelRunnerOutput:
+    """The tokens one step samples, on their way to the host. ``get_output`` waits for them and
+    writes them into the persistent batch (by request id: rows may have moved since)."""
+
+    def __init__(self, req_ids: list[str], sample_rows: np.ndarray, positions: np.ndarray,
+                 sampled: torch.Tensor | None, input_batch: InputBatch) -> None:
+        self.req_ids = req_ids
+        self.sample_rows = sample_rows  # in the step's request order
+        self.positions = positions  # where each sampled token goes in its request's token ids
+        self.sampled = sampled  # on the device; the next step reads it for its decodes
+        self.input_batch = input_batch
+        self.fetched = sampled is None
+        self.ready: torch.cuda.Event | None = None
+        self.host = sampled
+        if sampled is not None and sampled.is_cuda:
+            self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self.host.copy_(sampled, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def get_output(self) -> ModelRunnerOutput:
+        tokens: list[list[int]] = [[] for _ in self.req_ids]
+        if self.sampled is None:
+            return ModelRunnerOutput(self.req_ids, tokens)
+        if self.ready is not None:
+            self.ready.synchronize()
+        sampled = self.host.numpy()
+        if not self.fetched:
+            self.fetched = True
+            batch = self.input_batch
+            for index, position, token_id in zip(self.sample_rows.tolist(), self.positions.tolist(), sampled.tolist()):
+                row = batch.row_of.get(self.req_ids[index])
+                if row is not None:
+                    batch.token_ids[row, position] = token_id
+        for index, token_id in zip(self.sample_rows.tolist(), sampled.tolist()):
+            tokens[index] = [token_id]
+        return ModelRunnerOutput(self.req_ids, tokens)
+
+
 @dataclass
 class StepInputs:
     batch_rows: np.ndarray  # the persistent-batch row of each request, in the step's order
@@ -82,9 +125,10 @@ class ModelRunner:
         self.layer_group: list[int] = []  # decoder layer -> its KV cache group
         self.input_batch: InputBatch | None = None
         self.cuda_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, output
-        # Marks when the last step's host-to-device copies finished. A step that samples nothing (a
-        # middle prompt chunk) never syncs, so the next one must wait here before reusing host buffers.
+        # Marks when the last step's host-to-device copies finished: the host must not refill the
+        # staged buffers before then (nothing else waits for the GPU between steps).
         self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.last_output: AsyncModelRunnerOutput | None = None  # the step launched last
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -129,6 +173,8 @@ class ModelRunner:
         self.temperature = staged(max_reqs, dtype=torch.float32)
         self.top_k = staged(max_reqs)
         self.top_p = staged(max_reqs, dtype=torch.float32)
+        self.prev_token_dst = staged(max_reqs, dtype=torch.int64)  # step tokens that take ...
+        self.prev_token_src = staged(max_reqs, dtype=torch.int64)  # ... the last step's sampled tokens
         self.arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=self.device)
         if settings.use_cuda_graphs:
             self.capture_cuda_graphs()
@@ -136,21 +182,25 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch the plan's step; its tokens arrive through the returned handle."""
         self._update_states(plan)
-        if plan.is_empty:
-            return ModelRunnerOutput([], [])
         req_ids = list(plan.num_scheduled_tokens)
+        if plan.is_empty:
+            return AsyncModelRunnerOutput(req_ids, np.empty(0, np.int64), np.empty(0, np.int64), None, self.input_batch)
         inputs = self._prepare_inputs(plan, req_ids)
         hidden_states = self._run_model(inputs)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        batch = self.input_batch
         sample_rows = inputs.batch_rows[inputs.sample_rows]
-        sampled = self.sampler(logits, self._sampling_metadata(sample_rows)).cpu().numpy()
-        self.input_batch.append_tokens(sample_rows, sampled)
-        tokens: list[list[int]] = [[] for _ in req_ids]
-        for index, token_id in zip(inputs.sample_rows.tolist(), sampled.tolist()):
-            tokens[index] = [token_id]
-        return ModelRunnerOutput(req_ids, tokens)
+        sampled = self.sampler(logits, self._sampling_metadata(sample_rows))
+        # The new tokens count from now on; their ids reach the host (and token_ids) in get_output.
+        positions = batch.num_tokens[sample_rows].astype(np.int64)
+        batch.num_tokens[sample_rows] += 1
+        batch.last_sample_index.fill(-1)
+        batch.last_sample_index[sample_rows] = np.arange(len(sample_rows))
+        self.last_output = AsyncModelRunnerOutput(req_ids, inputs.sample_rows, positions, sampled, batch)
+        return self.last_output
 
     def _update_states(self, plan: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -185,6 +235,8 @@ class ModelRunner:
         num_computed = batch.num_computed_tokens[rows]
         positions = self.positions.np[:num_tokens]
         np.add(num_computed[req_of_token], offsets, out=positions)
+        # Tokens sampled by a step whose output the host has not read yet are garbage here; they are
+        # overwritten on the device from that step's sampled tensor below.
         self.input_ids.np[:num_tokens] = batch.token_ids[rows[req_of_token], positions]
         seq_lens = self.seq_lens.np[:num_reqs]
         np.add(num_computed, num_scheduled, out=seq_lens)
@@ -206,7 +258,7 @@ class ModelRunner:
             batch_rows=rows,
             num_reqs=num_reqs,
             num_tokens=num_tokens,
-            input_ids=self.input_ids.copy_to_device(num_tokens),
+            input_ids=self._input_ids(rows, query_start_loc, num_tokens),
             positions=self.positions.copy_to_device(num_tokens),
             attn_metadata=self._attention_metadata(
                 num_reqs, num_tokens, int(num_scheduled.max()), int(seq_lens.max()), num_cols
@@ -217,6 +269,23 @@ class ModelRunner:
         if self.copies_done is not None:
             self.copies_done.record()
         return inputs
+
+    def _input_ids(self, rows: np.ndarray, query_start_loc: np.ndarray, num_tokens: int) -> torch.Tensor:
+        """Copy the step's token ids to the device, then put in the tokens the last step sampled
+        and the host has not seen (async scheduling): each is the last token of its request here."""
+        input_ids = self.input_ids.copy_to_device(num_tokens)
+        last = self.last_output
+        if last is None or last.fetched:
+            return input_ids
+        src = self.input_batch.last_sample_index[rows]
+        mask = src >= 0
+        n = int(mask.sum())
+        if n:
+            dst = self.prev_token_dst.np[:n]
+            np.subtract(query_start_loc[1:][mask], 1, out=dst)
+            self.prev_token_src.np[:n] = src[mask]
+            input_ids[self.prev_token_dst.copy_to_device(n)] = last.sampled[self.prev_token_src.copy_to_device(n)]
+        return input_ids
 
     def _attention_metadata(
         self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, num_cols: int
@@ -281,7 +350,7 @@ class ModelRunner:
             row = rows[i]
             # Reseed per output position: the draw depends only on (seed, position), so it survives
             # preemption and does not depend on what else is in the batch.
-            position = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
+            position = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])  # before this step's token
             seed = hash((int(batch.seed[row]), position)) & (2**63 - 1)
             generators[i] = torch.Generator(device=self.device).manual_seed(seed)
         return SamplingMetadata(
@@ -296,7 +365,8 @@ class ModelRunner:
     # -- CUDA graphs ---------------------------------------------------------------------------
 
     def cuda_graph_sizes(self) -> list[int]:
-        limit = self.settings.max_num_seqs
+        # Past a few hundred decodes launch overhead is a small share of a step (vLLM stops at 512 too).
+        limit = min(self.settings.max_num_seqs, MAX_CUDA_GRAPH_BATCH)
         sizes = [1, 2, 4, 8] + list(range(16, limit + 1, 16))
         return sorted({s for s in sizes if s <= limit} | {limit})
 

@@ -10,8 +10,7 @@ from micro_vllm.attention.operators.registry import get_backend
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
-from micro_vllm.outputs import ModelRunnerOutput
-from micro_vllm.worker.model_runner import ModelRunner, RunnerSettings
+from micro_vllm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, RunnerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -111,5 +110,5 @@ class Worker:
     def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(groups, num_blocks)
 
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
         return self.model_runner.execute_model(plan)
