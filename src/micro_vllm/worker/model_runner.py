@@ -114,6 +114,7 @@ class StepInputs:
     attn_metadata: list[AttentionMetadata]  # one per decoder layer
     logits_indices: torch.Tensor  # the last token of each request that samples this step
     sample_rows: np.ndarray  # positions in the step's request order of those requests
+    sampling_metadata: SamplingMetadata
 
 
 class ModelRunner:
@@ -126,7 +127,8 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.cuda_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, output
         # Marks when the last step's host-to-device copies finished: the host must not refill the
-        # staged buffers before then (nothing else waits for the GPU between steps).
+        # staged buffers before then (nothing else waits for the GPU between steps). Every copy of a
+        # step is queued before its forward pass, so the wait never covers GPU compute.
         self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.last_output: AsyncModelRunnerOutput | None = None  # the step launched last
 
@@ -193,7 +195,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         batch = self.input_batch
         sample_rows = inputs.batch_rows[inputs.sample_rows]
-        sampled = self.sampler(logits, self._sampling_metadata(sample_rows))
+        sampled = self.sampler(logits, inputs.sampling_metadata)
         # The new tokens count from now on; their ids reach the host (and token_ids) in get_output.
         positions = batch.num_tokens[sample_rows].astype(np.int64)
         batch.num_tokens[sample_rows] += 1
@@ -250,7 +252,8 @@ class ModelRunner:
             step_table[:] = table[rows, :num_cols]
             np.add(step_table[req_of_token, block_index] * block_size, block_offset, out=slot_mapping.np[:num_tokens])
 
-        # Only requests whose every known token is now computed produce a next token.
+        # Only requests whose every token so far (sampled ones still on the device too) is now
+        # computed produce a next token.
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[rows])[0]
         num_samples = len(sample_rows)
         np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
@@ -265,6 +268,7 @@ class ModelRunner:
             ),
             logits_indices=self.logits_indices.copy_to_device(num_samples),
             sample_rows=sample_rows,
+            sampling_metadata=self._sampling_metadata(rows[sample_rows]),
         )
         if self.copies_done is not None:
             self.copies_done.record()
