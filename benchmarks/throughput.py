@@ -20,6 +20,7 @@ import torch
 
 from bench_model import build_random_model, recipe_requests
 from micro_vllm import LLM, SamplingParams
+from micro_vllm.worker.model_runner import AsyncModelRunnerOutput
 
 
 def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[int, float]:
@@ -34,29 +35,62 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[i
 
 @contextlib.contextmanager
 def time_phases(llm: LLM):
-    """Accumulate wall time per phase of each engine step. ``execute`` includes waiting for the GPU
-    (the runner reads the sampled tokens back), ``schedule`` and ``update`` are pure CPU."""
+    """Accumulate wall time per phase of each engine step, and of ``step`` itself per kind of step.
+
+    ``schedule`` and ``update`` are CPU work. ``execute`` launches the step: input preparation
+    (``prepare``), the forward pass (``forward``: a graph replay or eager launches), the sampler's
+    launches (``sample``); none of it should wait for the GPU. ``get_output`` waits for a step's
+    tokens: with async scheduling, for the step before the one just launched."""
     totals: dict[str, float] = defaultdict(float)
 
     def timed(name, method):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             result = method(*args, **kwargs)
-            totals[name] += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            totals[name] += seconds
             totals[name + "_calls"] += 1
+            if name == "step":
+                stats = llm.engine.last_step_stats
+                kind = _step_kind(stats.num_prefill_tokens, stats.num_decode_tokens)
+                totals[kind] += seconds
+                totals[kind + "_calls"] += 1
             return result
         return wrapper
 
-    scheduler, executor = llm.engine.scheduler, llm.engine.executor
-    wrapped = [(scheduler, "schedule", "schedule"), (scheduler, "update_from_output", "update"),
-               (executor, "execute_model", "execute")]
-    for obj, method, name in wrapped:
-        setattr(obj, method, timed(name, getattr(obj, method)))
+    engine = llm.engine
+    runner = engine.executor.worker.model_runner
+    wrapped = [(engine.scheduler, "schedule"), (engine.scheduler, "update_from_output", "update"),
+               (engine.executor, "execute_model", "execute"), (engine, "step"),
+               (runner, "_prepare_inputs", "prepare"), (runner, "_run_model", "forward"), (runner, "sampler", "sample"),
+               (AsyncModelRunnerOutput, "get_output")]
+    saved = []
+    for obj, method, *name in wrapped:
+        saved.append((obj, method, obj.__dict__.get(method)))
+        setattr(obj, method, timed(name[0] if name else method, getattr(obj, method)))
     try:
         yield totals
     finally:
-        for obj, method, _ in wrapped:
-            delattr(obj, method)  # the instance attribute shadowed the class's method
+        for obj, method, original in saved:
+            if original is None:
+                delattr(obj, method)  # the instance attribute shadowed the class's method
+            else:
+                setattr(obj, method, original)
+
+
+PHASES = ("step", "schedule", "execute", "prepare", "forward", "sample", "get_output", "update")
+STEP_KINDS = ("with prefill", "decodes 192+", "decodes 64-191", "decodes 16-63", "decodes 1-15")
+
+
+def _step_kind(num_prefill_tokens: int, num_decodes: int) -> str:
+    """Buckets for where the run's time goes: steps that prefill, then decode-only steps by size
+    (the recipe's batch shrinks as requests finish: its long tail)."""
+    if num_prefill_tokens:
+        return STEP_KINDS[0]
+    for kind, low in zip(STEP_KINDS[1:], (192, 64, 16)):
+        if num_decodes >= low:
+            return kind
+    return STEP_KINDS[-1]
 
 
 def profile_decode_steps(llm: LLM, prompts, temperature: float, skip_steps: int = 40, steps: int = 10) -> str:
@@ -145,13 +179,19 @@ def main() -> None:
         with time_phases(llm) as phases:
             tokens, seconds = run_micro_vllm(llm, prompts, max_tokens, args.temperature)
         steps = int(phases["schedule_calls"])
-        breakdown = {k: round(1e6 * phases[k] / steps) for k in ("schedule", "execute", "update")}
+        breakdown = {k: round(1e6 * phases[k] / steps) for k in PHASES}
+        by_kind = {k: {"steps": int(phases[k + "_calls"]), "seconds": round(phases[k], 3)} for k in STEP_KINDS}
         results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds),
-                                "steps": steps, "us_per_step": breakdown})
+                                "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind})
         print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
               f"{steps} steps, mean us/step {breakdown}")
-    if args.profile:
-        print(profile_decode_steps(llm, prompts, args.temperature))
+        for kind, row in by_kind.items():
+            mean = 1e3 * row["seconds"] / row["steps"] if row["steps"] else 0.0
+            print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step")
+    if args.profile:  # the full batch, and the long tail's few requests
+        for n in (len(prompts), 8):
+            print(f"kernel profile, steps of {n} decodes:")
+            print(profile_decode_steps(llm, prompts[:n], args.temperature))
 
     if args.compare_hf:
         n, budget = args.compare_hf, args.hf_max_tokens

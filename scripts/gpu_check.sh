@@ -12,7 +12,8 @@ status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
+# The device's copy of the tree may carry a stale .git: the sender stamps .gpu_commit (see docs/benchmarks.md).
+{ cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD; } | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
 
 for stage in $stages; do
   echo "=== $stage"
