@@ -93,6 +93,18 @@ def _step_kind(num_prefill_tokens: int, num_decodes: int) -> str:
     return STEP_KINDS[-1]
 
 
+def triton_compilations() -> int:
+    """Kernel variants Triton has compiled so far for micro-vLLM's own kernels: a step that compiles
+    one waits for the compiler (start-up should have compiled them all)."""
+    from triton.runtime.jit import JITFunction
+
+    from micro_vllm.attention.operators import triton_attn
+    from micro_vllm.layers import triton_ops
+
+    kernels = [v for module in (triton_attn, triton_ops) for v in vars(module).values() if isinstance(v, JITFunction)]
+    return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
+
+
 def profile_decode_steps(llm: LLM, prompts, temperature: float, skip_steps: int = 40, steps: int = 10) -> str:
     """Profile a few steps after the prompts are in (all decodes) and return the kernel table."""
     from torch.profiler import ProfilerActivity, profile, schedule
@@ -176,15 +188,18 @@ def main() -> None:
 
     results = {"startup_s": round(startup, 1), "num_blocks": llm.engine.num_blocks, "runs": []}
     for _ in range(args.repeat):
+        compiled_before = triton_compilations()
         with time_phases(llm) as phases:
             tokens, seconds = run_micro_vllm(llm, prompts, max_tokens, args.temperature)
+        compiled = triton_compilations() - compiled_before
         steps = int(phases["schedule_calls"])
         breakdown = {k: round(1e6 * phases[k] / steps) for k in PHASES}
         by_kind = {k: {"steps": int(phases[k + "_calls"]), "seconds": round(phases[k], 3)} for k in STEP_KINDS}
         results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds),
-                                "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind})
+                                "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
+                                "triton_compilations": compiled})
         print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
-              f"{steps} steps, mean us/step {breakdown}")
+              f"{steps} steps, mean us/step {breakdown}; Triton compilations during the run: {compiled}")
         for kind, row in by_kind.items():
             mean = 1e3 * row["seconds"] / row["steps"] if row["steps"] else 0.0
             print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step")

@@ -488,6 +488,26 @@ def test_async_scheduling_matches_the_synchronous_loop(model_dirs):
     assert len(stopped) >= 5 and all(len(o.output_token_ids) <= 3 for o in stopped)
 
 
+# -- start-up compilation -----------------------------------------------------------------------
+
+
+def test_serving_compiles_no_triton_kernel(model_dirs):
+    """Start-up (warm-up steps and graph capture) compiles every Triton kernel variant that serving
+    needs: a lone long prompt, chunked prompts beside decodes, short prompts and decode batches of
+    any size then compile nothing."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    from throughput import triton_compilations
+
+    for family in ("qwen3", "mistral"):
+        with engine(model_dirs[family], max_model_len=MAX_MODEL_LEN) as llm:
+            compiled = triton_compilations()
+            llm.generate([_prompts([200], seed=6)[0]], greedy(3), use_tqdm=False)
+            llm.generate(PROMPTS + GRAPH_PROMPTS[:20], greedy(12), use_tqdm=False)
+            llm.generate(_prompts([3, 5, 2], seed=7), greedy(2), use_tqdm=False)
+            assert triton_compilations() == compiled, f"{family}: serving compiled Triton kernels"
+
+
 # -- pinned step buffers ------------------------------------------------------------------------
 
 

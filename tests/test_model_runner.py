@@ -1,9 +1,14 @@
-"""The runner's step buffers. On CPU a StagedBuffer's host and device sides are one tensor, so the
-copy that runs on CUDA is exercised here with a separate twin standing in for the device side."""
+"""Pieces of the ModelRunner that run on CUDA, exercised on CPU: the step buffers' copy (on CPU a
+StagedBuffer's host and device sides are one tensor, so a separate twin stands in for the device
+side) and the profiling step."""
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from micro_vllm.worker.model_runner import StagedBuffer
+from micro_vllm import LLM, SamplingParams
+from micro_vllm.worker.model_runner import StagedBuffer, profile_query_lens
+from tiny_models import make_tiny_model
 
 
 def _with_separate_twin(*shape: int) -> StagedBuffer:
@@ -27,3 +32,34 @@ def test_staged_buffer_copies_only_the_used_columns_of_a_table():
     assert rows.shape == (3, 6)
     assert rows[:, :2].tolist() == [[0, 1], [6, 7], [12, 13]]
     assert (rows[:, 2:] == -1).all() and (buffer.device[3] == -1).all()
+
+
+@given(st.integers(1, 1100), st.integers(1, 20_000), st.integers(1, 5000))
+def test_profile_step_is_the_largest_step_the_scheduler_can_plan(max_num_seqs, budget, max_model_len):
+    query_lens = profile_query_lens(max_num_seqs, budget, max_model_len)
+    assert len(query_lens) == min(max_num_seqs, budget)
+    assert query_lens.sum() == min(budget, len(query_lens) * max_model_len)
+    assert 1 <= query_lens.min() and query_lens.max() <= max_model_len
+    assert query_lens[0] == query_lens.max()  # one long prompt among the others
+
+
+def test_start_up_steps_run_on_cpu_and_write_no_kv(tmp_path):
+    """The profiling step and the warm-up steps (run on CUDA at start-up) on CPU with a tiny model:
+    long prompts beside short ones, sampled with top-k and top-p. The warm-up runs on the real KV
+    cache and must leave it as it was."""
+    path = make_tiny_model("qwen3", tmp_path)
+    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100) as llm:
+        runner = llm.engine.executor.worker.model_runner
+        layers = runner.model.attention_layers()
+        for layer in layers:
+            layer.kv_cache.normal_()
+        caches = [layer.kv_cache.clone() for layer in layers]
+        runner.warm_up()
+        assert all(torch.equal(layer.kv_cache, cache) for layer, cache in zip(layers, caches))
+        runner.profile_run()
+        assert all(layer.kv_cache.numel() == 0 for layer in layers)  # as before the cache is sized
+        for layer, cache in zip(layers, caches):
+            layer.kv_cache = cache
+            cache[:, 0].zero_()  # the null block
+        output = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert len(output[0].output_token_ids) == 2

@@ -146,7 +146,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         """Allocate each layer's paged K/V tensor, the persistent batch and the step buffers; then
-        capture CUDA graphs."""
+        (on CUDA) warm up and capture CUDA graphs."""
         settings = self.settings
         self.layer_group = [0] * len(self.model.attention_layers())
         for group_id, group in enumerate(groups):
@@ -178,6 +178,8 @@ class ModelRunner:
         self.prev_token_dst = staged(max_reqs, dtype=torch.int64)  # step tokens that take ...
         self.prev_token_src = staged(max_reqs, dtype=torch.int64)  # ... the last step's sampled tokens
         self.arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=self.device)
+        if self.device.type == "cuda":
+            self.warm_up()
         if settings.use_cuda_graphs:
             self.capture_cuda_graphs()
 
@@ -409,30 +411,47 @@ class ModelRunner:
         self.cuda_graph_batch_sizes = sorted(self.cuda_graphs)
         logger.info("captured CUDA graphs for decode batch sizes %s", sorted(self.cuda_graphs))
 
-    # -- memory profiling ----------------------------------------------------------------------
+    # -- start-up runs --------------------------------------------------------------------------
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """Run the largest step the scheduler can produce, with a one-block KV cache, to measure
-        peak activation memory."""
+        """Run the largest step the scheduler can plan, with a one-block KV cache, to measure peak
+        activation memory."""
         settings = self.settings
-        num_tokens = settings.max_num_batched_tokens
-        num_reqs = min(settings.max_num_seqs, num_tokens)
-        query_lens = np.full(num_reqs, num_tokens // num_reqs, np.int32)
-        query_lens[: num_tokens % num_reqs] += 1
-        query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32))
-        seq_lens = torch.from_numpy(query_lens)
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.zeros(2, 1, settings.block_size, layer.num_kv_heads, layer.head_size,
                                          dtype=settings.dtype, device=self.device)
+        self._dummy_step(profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
+                                            settings.max_model_len))
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the kernels eager steps use before the first request, not in the middle of
+        serving: a step with one long prompt, and one of short prompt chunks. Decode steps are
+        compiled when their graphs are captured."""
+        settings = self.settings
+        long = min(settings.max_num_batched_tokens, settings.max_model_len)
+        self._dummy_step(np.array([long], np.int32))
+        self._dummy_step(np.full(min(settings.max_num_seqs, settings.max_num_batched_tokens // 2, 8), 2, np.int32))
+
+    def _dummy_step(self, query_lens: np.ndarray) -> None:
+        """A forward pass and sampling over dummy requests with these query lengths. Every position
+        reads block 0 and writes nowhere: the values are garbage, the memory use and the kernels run
+        are real."""
+        settings = self.settings
+        num_reqs, num_tokens = len(query_lens), int(query_lens.sum())
+        query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32))
+        seq_lens = torch.from_numpy(query_lens)
+        max_query_len = int(query_lens.max())
         metadata = AttentionMetadata(
             num_actual_tokens=num_tokens,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(query_lens.max()),
+            max_query_len=max_query_len,
+            max_seq_len=max_query_len,
             query_start_loc=query_start_loc.to(self.device),
             seq_lens=seq_lens.to(self.device),
-            # Every position reads block 0: the values are garbage, the memory use is real.
-            block_table=torch.zeros(num_reqs, -(-int(query_lens.max()) // settings.block_size),
+            block_table=torch.zeros(num_reqs, -(-max_query_len // settings.block_size),
                                     dtype=torch.int32, device=self.device),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             query_start_loc_cpu=query_start_loc,
@@ -443,10 +462,22 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, [metadata] * len(self.model.attention_layers()))
         logits = self.model.compute_logits(hidden[query_start_loc[1:].to(self.device).long() - 1])
         # The sort behind top-k / top-p is the sampler's largest buffer; a fresh Sampler keeps the
-        # engine's random stream untouched by profiling.
+        # engine's random stream untouched.
         temperature = torch.ones(num_reqs, device=self.device)
         top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=self.device)
         top_p = torch.full((num_reqs,), 0.9, device=self.device)
         Sampler()(logits, SamplingMetadata(temperature, top_k, top_p, all_greedy=False, all_random=True))
-        for layer in self.model.attention_layers():
-            layer.kv_cache = torch.empty(0)
+
+
+def profile_query_lens(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> np.ndarray:
+    """The query lengths of the largest step the scheduler can plan: as many requests as it runs,
+    as many tokens as the budget allows, the first one as long as a request can be."""
+    num_reqs = min(max_num_seqs, max_num_batched_tokens)
+    num_tokens = min(max_num_batched_tokens, num_reqs * max_model_len)
+    query_lens = np.ones(num_reqs, np.int32)
+    query_lens[0] = min(max_model_len, num_tokens - (num_reqs - 1))
+    if num_reqs > 1:  # the rest of the tokens, spread evenly over the other requests
+        rest = num_tokens - int(query_lens[0])
+        query_lens[1:] = rest // (num_reqs - 1)
+        query_lens[1 : 1 + rest % (num_reqs - 1)] += 1
+    return query_lens

@@ -142,7 +142,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Per-step counts are not specialised on (== 1, multiple of 16): each new pattern would compile
+# another variant of the kernel in the middle of serving.
+@triton.jit(do_not_specialize=["num_reqs"])
 def _attention_kernel(
     out_ptr,  # [T, H, D], or the split partials when NUM_SPLITS > 1
     lse_ptr,  # [T, H, NUM_SPLITS] fp32 log2-sum-exp per split (only when NUM_SPLITS > 1)
@@ -350,6 +352,9 @@ class _Tiles(NamedTuple):
     tile_n: int  # keys per loop iteration
     num_warps: int
     num_stages: int
+    # Decode tiles hold each request's queries in one block, so a program per request needs no
+    # search. Prefill tiles always take the general path: one compiled variant for every prefill.
+    one_qblock_per_req: bool
 
 
 def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
@@ -358,11 +363,9 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
     Decode-like batches take 16 rows, the smallest tl.dot, and are memory-bound; prefill takes a
     taller tile so each K/V tile loaded serves more queries.
     """
-    if max_query_len * group <= 16:
-        rows, tile_n, num_warps, num_stages = 16, 128, 4, 3
-    else:
-        rows, tile_n, num_warps, num_stages = 64, 64, 4, 2
-    return _Tiles(max(rows, triton.next_power_of_2(group)), tile_n, num_warps, num_stages)
+    if max_query_len * group <= 16:  # then max_query_len <= 16 // group, the tile's query tokens
+        return _Tiles(16, 128, 4, 3, one_qblock_per_req=True)
+    return _Tiles(max(64, triton.next_power_of_2(group)), 64, 4, 2, one_qblock_per_req=False)
 
 
 @register_backend("triton")
@@ -428,7 +431,7 @@ class TritonBackend(AttentionBackend):
         max_query_len = metadata.max_query_len
         tiles = _pick_tiles(max_query_len, group, head_size)
         block_q = tiles.block_m // group
-        one_qblock = max_query_len <= block_q
+        one_qblock = tiles.one_qblock_per_req
         grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
         num_splits = _num_splits(query.device, num_reqs, num_kv_heads, max_query_len)
 
