@@ -451,7 +451,8 @@ class ModelRunner:
             max_seq_len=max_query_len,
             query_start_loc=query_start_loc.to(self.device),
             seq_lens=seq_lens.to(self.device),
-            block_table=torch.zeros(num_reqs, -(-max_query_len // settings.block_size),
+            # As wide as the step buffers' tables: Triton specialises kernels on the row stride.
+            block_table=torch.zeros(num_reqs, -(-settings.max_model_len // settings.block_size),
                                     dtype=torch.int32, device=self.device),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             query_start_loc_cpu=query_start_loc,
