@@ -91,16 +91,13 @@ class AsyncModelRunnerOutput:
             return ModelRunnerOutput(self.req_ids, tokens)
         if self.ready is not None:
             self.ready.synchronize()
-        sampled = self.host.numpy()
-        if not self.fetched:
-            self.fetched = True
-            batch = self.input_batch
-            for index, position, token_id in zip(self.sample_rows.tolist(), self.positions.tolist(), sampled.tolist()):
-                row = batch.row_of.get(self.req_ids[index])
-                if row is not None:
-                    batch.token_ids[row, position] = token_id
-        for index, token_id in zip(self.sample_rows.tolist(), sampled.tolist()):
+        self.fetched = True
+        batch = self.input_batch
+        for index, position, token_id in zip(self.sample_rows.tolist(), self.positions.tolist(), self.host.tolist()):
             tokens[index] = [token_id]
+            row = batch.row_of.get(self.req_ids[index])
+            if row is not None:  # gone if it finished or was preempted meanwhile
+                batch.token_ids[row, position] = token_id
         return ModelRunnerOutput(self.req_ids, tokens)
 
 
