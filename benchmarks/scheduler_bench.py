@@ -59,14 +59,11 @@ def make_scheduler(workload: list[tuple[list[int], int]], enable_caching: bool) 
 
 
 def fake_runner(plan: SchedulerOutput, scheduler: Scheduler, next_token: int) -> ModelRunnerOutput:
-    """One token for each request whose known tokens are all computed after this step."""
+    """One token for each request whose known tokens are all computed after this step: those the
+    plan counts an output placeholder for (no other step is in flight here)."""
     requests = scheduler.requests
     req_ids = list(plan.num_scheduled_tokens)
-    sampled = []
-    for req_id, num_new in plan.num_scheduled_tokens.items():
-        request = requests[req_id]
-        done = request.num_computed_tokens + num_new == request.num_tokens
-        sampled.append([next_token] if done else [])
+    sampled = [[next_token] if requests[req_id].num_output_placeholders else [] for req_id in req_ids]
     return ModelRunnerOutput(req_ids, sampled)
 
 
