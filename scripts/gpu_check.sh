@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command a developer sends to the GPU machine: GPU tests, then the benchmarks.
 #   bash scripts/gpu_check.sh [tests] [throughput] [latency] [eager] [unfused]   (default: all of them)
-# Logs and a results table go under $OUT when it is set (the device tool's output folder).
+# Logs, results.jsonl and a Markdown results table (results.md) go under $OUT when it is set (the device
+# tool's output folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -12,7 +13,8 @@ status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-# The device's copy of the tree may carry a stale .git: the sender stamps .gpu_commit (see docs/benchmarks.md).
+# The device's copy of the tree may carry a stale .git: the sender stamps .gpu_commit (docs/benchmarks.md,
+# "Running it").
 { cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD; } | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
 
 for stage in $stages; do
@@ -27,5 +29,6 @@ for stage in $stages; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
-echo "=== results"; cat "$OUT/results.jsonl" 2>/dev/null
+echo "=== results"
+if [ -f "$OUT/results.jsonl" ]; then python3 benchmarks/results_table.py "$OUT/results.jsonl" | tee "$OUT/results.md"; fi
 exit $status

@@ -40,3 +40,22 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     engine = llm.engine
     assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)  # unwrapped
     assert AsyncModelRunnerOutput.get_output.__qualname__ == "AsyncModelRunnerOutput.get_output"
+
+
+def test_results_table_has_a_row_per_measurement():
+    import json
+
+    import results_table
+
+    throughput_line = json.dumps({
+        "benchmark": "throughput", "enforce_eager": False, "no_fused_ops": True,
+        "runs": [{"tok_per_s": 14279, "output_tokens": 133966, "seconds": 9.382, "steps": 1033}],
+        "compare_transformers": {"requests": 16, "output_tokens": 2048, "seconds": 14.654},
+    })
+    latency_line = json.dumps({"benchmark": "latency", "prompt_len": 512, "output_len": 128,
+                               "rows": [{"batch_size": 1, "ttft_ms": 17.8, "tpot_ms": 1.791}]})
+    table = results_table.results_table([throughput_line, latency_line]).splitlines()
+    assert table[2] == "| throughput | --no-fused-ops | 14,279 output tok/s (133,966 tokens in 9.382 s, 1,033 steps) |"
+    assert table[3].startswith("| transformers, 16 requests | same process | 140 output tok/s")
+    assert table[4] == "| latency | batch 1, prompt 512, output 128 | TTFT 17.8 ms, TPOT 1.79 ms |"
+    assert len(table) == 5

@@ -1,0 +1,37 @@
+"""A Markdown table of the JSON lines that throughput.py and latency.py append with ``--json``.
+
+    python benchmarks/results_table.py results.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def results_table(lines: list[str]) -> str:
+    rows = ["| benchmark | settings | result |", "| --- | --- | --- |"]
+    for line in lines:
+        record = json.loads(line)
+        if record["benchmark"] == "throughput":
+            flags = [f"--{k.replace('_', '-')}" for k in ("enforce_eager", "no_fused_ops") if record.get(k)]
+            for run in record["runs"]:
+                rows.append(f"| throughput | {' '.join(flags) or 'defaults'} | {run['tok_per_s']:,} output tok/s "
+                            f"({run['output_tokens']:,} tokens in {run['seconds']} s, {run['steps']:,} steps) |")
+            for name in ("compare_micro_vllm", "compare_transformers"):
+                if name in record:
+                    part = record[name]
+                    who = "micro-vLLM" if name == "compare_micro_vllm" else "transformers"
+                    rows.append(f"| {who}, {part['requests']} requests | same process | "
+                                f"{part['output_tokens'] / part['seconds']:,.0f} output tok/s "
+                                f"({part['output_tokens']:,} tokens in {part['seconds']} s) |")
+        elif record["benchmark"] == "latency":
+            for row in record["rows"]:
+                rows.append(f"| latency | batch {row['batch_size']}, prompt {record['prompt_len']}, "
+                            f"output {record['output_len']} | TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(results_table([line for line in f if line.strip()]))
