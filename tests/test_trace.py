@@ -22,7 +22,7 @@ STEP_KEYS = {
     "kv_total_blocks": int, "kv_free_blocks": int, "kv_cached_blocks": int, "prefix_cache_hit_tokens": int,
     "prefix_cache_query_tokens": int, "preempted": list, "finished": list,
 }
-BLOCK_EVENTS = {"allocated", "freed", "cached", "evicted"}
+BLOCK_EVENTS = {"allocated", "hit", "freed", "cached", "evicted"}
 
 
 class ListSink:
@@ -118,12 +118,36 @@ def test_block_events_only_at_block_level(model_dir):
     for event in blocks:
         assert event["request_id"] in request_ids and event["block_ids"] and 0 <= event["step"] < num_steps
         assert 0 not in event["block_ids"]  # the null block is never handed out
-    # Every block handed out came back once nothing is left.
-    allocated = sorted(b for e in blocks if e["event"] == "allocated" for b in e["block_ids"])
-    freed = sorted(b for e in blocks if e["event"] == "freed" for b in e["block_ids"])
-    assert allocated == freed
+    # Replayed in order, the events keep every block's reference count: each block handed out or
+    # reused comes back, and nothing is freed that no request held.
+    holders = {}
+    for event in blocks:
+        for block_id in event["block_ids"]:
+            if event["event"] in ("allocated", "hit"):
+                assert event["event"] == "hit" or holders.get(block_id, 0) == 0, "allocated while held"
+                holders[block_id] = holders.get(block_id, 0) + 1
+            elif event["event"] == "freed":
+                assert holders.get(block_id, 0) >= 1, f"block {block_id} freed but not held"
+                holders[block_id] = 0  # freed means its last reference went
+    assert not any(holders.values()), "a block was never freed"
     assert _steps(block_level.events) and _without_times(_steps(block_level.events)) == _without_times(
         _steps(step_level.events))
+
+
+def test_hit_events_name_the_reused_prefix_blocks(model_dir):
+    """The prompts share three full blocks: every request admitted after the first reuses them, and
+    its hit event names the blocks the first request cached, as many as the step's hit tokens say."""
+    sink = ListSink()
+    _run(model_dir, TraceConfig(sink, level="block"))
+    events = sink.events
+    first_cached = [b for e in events if e["event"] == "cached" and e["request_id"] == "0" for b in e["block_ids"]][:3]
+    hits = [e for e in events if e["event"] == "hit"]
+    assert {e["request_id"] for e in hits} == {str(i) for i in range(1, len(PROMPTS))}
+    assert all(e["block_ids"] == first_cached for e in hits)
+    steps = _steps(events)
+    for step in steps:
+        hit_blocks = sum(len(e["block_ids"]) for e in hits if e["step"] == step["step"])
+        assert step["prefix_cache_hit_tokens"] == 8 * hit_blocks
 
 
 @pytest.mark.parametrize(

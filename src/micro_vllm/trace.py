@@ -9,7 +9,7 @@ Events (every event has an ``"event"`` key; the full schema is in docs/trace.md)
 - ``start``: once, with the run's settings (KV capacity, block size, budgets).
 - ``step``: once per engine step, the state right after scheduling plus what finished in the step.
 - ``abort``: a request aborted between steps.
-- ``allocated`` / ``freed`` / ``cached`` / ``evicted``: block-level events, only at level "block".
+- ``allocated`` / ``hit`` / ``freed`` / ``cached`` / ``evicted``: block-level events, only at level "block".
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class TraceConfig:
     """Where trace events go, and how fine they are.
 
     ``level="step"`` writes one event per step; ``level="block"`` adds an event for every block
-    allocated, freed, cached or evicted (many per step: for debugging the KV cache, not for timing).
+    allocated, reused by a prefix-cache hit, freed, cached or evicted (many per step: for debugging the
+    KV cache, not for timing).
     """
 
     sink: SinkSpec

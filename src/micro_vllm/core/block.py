@@ -72,7 +72,7 @@ class FreeKVCacheBlockQueue:
 
 class BlockPool:
     """All blocks of the cache, shared by every KV cache group; owns the free queue and the prefix
-    cache table, and reports allocations and evictions to an optional listener (the trace)."""
+    cache table, and reports what happens to blocks to an optional listener (the trace)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -102,14 +102,17 @@ class BlockPool:
         self._record("allocated", [b.block_id for b in blocks], request_id)
         return blocks
 
-    def touch(self, blocks: list[KVCacheBlock]) -> None:
+    def touch(self, blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
         """Take a reference on cached blocks a new request reuses, pulling free ones out of the queue."""
+        hit = []
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            hit.append(block.block_id)
+        self._record("hit", hit, request_id)
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
         """Drop a reference on each block; blocks that reach zero join the back of the free queue in

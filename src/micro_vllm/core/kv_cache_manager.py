@@ -93,7 +93,7 @@ class KVCacheManager:
             return None
         if new_computed_blocks:
             for manager, blocks in zip(self.managers, new_computed_blocks):
-                self.block_pool.touch(blocks)
+                self.block_pool.touch(blocks, request_id)
                 manager.save_new_computed_blocks(request_id, blocks)
         new_blocks = [m.allocate_new_blocks(request_id, num_tokens) for m in self.managers]
         self.cache_blocks(request, num_tokens)
