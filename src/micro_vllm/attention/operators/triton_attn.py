@@ -338,8 +338,9 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
-    # Aim at about two programs per SM (a decode program holds ~128 KiB of pipelined K/V tiles in
-    # shared memory); with more (request, KV head) pairs than that, splitting only adds the merge.
+    # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 68 KiB of
+    # pipelined K/V tiles in shared memory, by tests/hopper_compile.py); with more (request, KV head)
+    # pairs than that, splitting only adds the merge.
     # Chosen from a one-off tuning sweep on an H200 (2026-11-29), not yet a benchmark in benchmarks/.
     per_pair = 2 * _num_sms(device) // (num_reqs * num_kv_heads)
     if per_pair < 2:

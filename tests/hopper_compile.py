@@ -1,0 +1,130 @@
+"""Compile every Triton kernel launch of micro-vLLM for the H200 (sm_90) on a machine without a GPU.
+
+Run as a script, with TRITON_INTERPRET unset. The real launch wrappers (``triton_attn``,
+``triton_ops``) are called on CPU tensors shaped like the benchmark model's (Qwen3-0.6B: 16 query
+heads, 8 KV heads of 128) and like a sliding-window model, in bf16 (and fp32 for attention). Each kernel launch is
+caught instead of run, and its arguments become an ahead-of-time compile with Triton's own ptxas:
+what the interpreter accepts but the GPU compiler rejects, or a tile that needs more shared memory
+than an H200 block has, fails here, not on the GPU machine.
+Prints one line per compiled variant; exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET: kernels must be compiled"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
+from micro_vllm.attention.operators import triton_attn  # noqa: E402
+from micro_vllm.layers import triton_ops  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+MAX_SHARED_MEMORY = 232_448  # bytes a block may use on sm_90 (227 KiB)
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+# Constexprs the wrappers derive from the tensors' device: the values a CUDA launch passes.
+ON_CUDA = {"MEAN_BY_DIVISION": False}
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                 torch.int32: "*i32", torch.int64: "*i64"}
+compiled: set[tuple] = set()
+
+
+def _scalar_type(value) -> str:
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {value!r}")
+
+
+def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict) -> None:
+    names = [p.name for p in kernel.params]
+    constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
+    bound = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k not in OPTIONS})
+    signature, constexprs = {}, {}
+    for name in names:
+        value = bound[name]
+        if name in constexpr_names:
+            signature[name], constexprs[name] = "constexpr", ON_CUDA.get(name, value)
+        elif isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+        else:
+            signature[name] = _scalar_type(value)
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    key = (kernel.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+    if key in compiled:
+        return
+    binary = triton.compile(ASTSource(kernel, signature, constexprs), target=H200, options=options)
+    shared = binary.metadata.shared
+    if shared > MAX_SHARED_MEMORY:
+        raise RuntimeError(f"{kernel.__name__} {constexprs} needs {shared} bytes of shared memory; sm_90 has {MAX_SHARED_MEMORY}")
+    compiled.add(key)
+    print(f"ok {kernel.__name__} {constexprs} {options}: {shared} bytes of shared memory", flush=True)
+
+
+def catch_launches() -> None:
+    """``kernel[grid](...)`` compiles for the H200 instead of running."""
+    JITFunction.__getitem__ = lambda kernel, grid: (lambda *args, **kwargs: compile_launch(kernel, args, kwargs))
+    triton_attn._check_device = lambda tensor: None  # CPU tensors stand in for CUDA ones
+
+
+def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_splits: int) -> None:
+    backend = triton_attn.TritonBackend()
+    num_kv_heads, head_size, block_size, num_blocks = 8, 128, 16, 64
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    for query_lens in ([1] * 12, [300, 1, 1, 7]):  # a decode batch (decode tiles), a mixed one (prefill tiles)
+        num_reqs, num_tokens = len(query_lens), sum(query_lens)
+        seq_lens = torch.tensor([n + 40 for n in query_lens], dtype=torch.int32)
+        query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+        )
+        qkv = torch.zeros(num_tokens, (group + 2) * num_kv_heads * head_size, dtype=dtype)
+        query = qkv[:, : group * num_kv_heads * head_size].view(num_tokens, group * num_kv_heads, head_size)
+        key = qkv[:, group * num_kv_heads * head_size:][:, : num_kv_heads * head_size].view(num_tokens, num_kv_heads, head_size)
+        backend.write_kv(key, key, kv_cache, metadata.slot_mapping)
+        splits = num_splits if max(query_lens) == 1 else 1
+        triton_attn._num_splits = lambda *_, n=splits: n
+        backend.forward(query, kv_cache, metadata, scale=head_size**-0.5, sliding_window=window)
+
+
+def layer_launches(dtype: torch.dtype) -> None:
+    hidden, heads, kv_heads, head_size, num_tokens = 1024, 16, 8, 128, 10
+    x = torch.zeros(num_tokens, hidden, dtype=dtype)
+    weight = torch.ones(hidden, dtype=dtype)
+    triton_ops.rms_norm(x, weight, 1e-6)
+    triton_ops.rms_norm(x, weight, 1e-6, residual=x)
+    qkv = torch.zeros(num_tokens, (heads + 2 * kv_heads) * head_size, dtype=dtype)
+    q = qkv[:, : heads * head_size]
+    k = qkv[:, heads * head_size : (heads + kv_heads) * head_size]
+    triton_ops.rms_norm(q.view(num_tokens, heads, head_size), torch.ones(head_size, dtype=dtype), 1e-6)  # q-norm
+    cos_sin = torch.zeros(4096, head_size, dtype=torch.float32)
+    triton_ops.rotary_embedding(torch.zeros(num_tokens, dtype=torch.int64), q, k, cos_sin, head_size)
+    triton_ops.silu_and_mul(torch.zeros(num_tokens, 2 * 3072, dtype=dtype))
+
+
+def main() -> int:
+    catch_launches()
+    layer_launches(torch.bfloat16)
+    for group, window, num_splits in ((2, None, 1), (2, None, 4), (4, 256, 1)):
+        attention_launches(torch.bfloat16, group, window, num_splits)
+    attention_launches(torch.float32, 2, None, 1)  # fp32 dots ("ieee") take another code path
+    print(f"{len(compiled)} kernel variants compiled for sm_90")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
