@@ -6,13 +6,17 @@ heads, 8 KV heads of 128) and like a sliding-window model, in bf16 (and fp32 for
 caught instead of run, and its arguments become an ahead-of-time compile with Triton's own ptxas:
 what the interpreter accepts but the GPU compiler rejects, or a tile that needs more shared memory
 than an H200 block has, fails here, not on the GPU machine.
-Prints one line per compiled variant; exits non-zero on the first failure.
+Prints one line per compiled variant (shared memory, registers, stack frame); exits non-zero on the
+first failure.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET: kernels must be compiled"
 
@@ -68,7 +72,22 @@ def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict) -> None:
     if shared > MAX_SHARED_MEMORY:
         raise RuntimeError(f"{kernel.__name__} {constexprs} needs {shared} bytes of shared memory; sm_90 has {MAX_SHARED_MEMORY}")
     compiled.add(key)
-    print(f"ok {kernel.__name__} {constexprs} {options}: {shared} bytes of shared memory", flush=True)
+    print(f"ok {kernel.__name__} {constexprs} {options}: {shared} bytes of shared memory, {resource_usage(binary)}",
+          flush=True)
+
+
+def resource_usage(binary) -> str:
+    """Registers and stack frame per thread (a stack frame means spills), from the cuobjdump that
+    Triton's package carries."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        return "no cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(binary.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True, text=True)
+    fields = [line.split("CONSTANT")[0].strip() for line in report.stdout.splitlines() if "REG:" in line]
+    return fields[0] if fields else "no resource report"
 
 
 def catch_launches() -> None:
