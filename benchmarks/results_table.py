@@ -25,6 +25,12 @@ def results_table(lines: list[str]) -> str:
                     rows.append(f"| {who}, {part['requests']} requests | same process | "
                                 f"{part['output_tokens'] / part['seconds']:,.0f} output tok/s "
                                 f"({part['output_tokens']:,} tokens in {part['seconds']} s) |")
+        elif record["benchmark"] == "attention_sweep":
+            for row in record["rows"]:
+                tiles, unit = row["tiles"], "TB/s" if "TB/s" in row else "TFLOP/s"
+                rows.append(f"| attention sweep | {row['batch']}: {tiles['block_m']} x {tiles['tile_n']} tiles, "
+                            f"{tiles['num_warps']} warps, {tiles['num_stages']} stages | "
+                            f"{1000 * row['ms']:.1f} us, {row[unit]:.2f} {unit} |")
         elif record["benchmark"] == "latency":
             for row in record["rows"]:
                 rows.append(f"| latency | batch {row['batch_size']}, prompt {record['prompt_len']}, "

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from micro_vllm import LLM
 from micro_vllm.worker.model_runner import AsyncModelRunnerOutput
@@ -54,8 +55,32 @@ def test_results_table_has_a_row_per_measurement():
     })
     latency_line = json.dumps({"benchmark": "latency", "prompt_len": 512, "output_len": 128,
                                "rows": [{"batch_size": 1, "ttft_ms": 17.8, "tpot_ms": 1.791}]})
-    table = results_table.results_table([throughput_line, latency_line]).splitlines()
+    sweep_line = json.dumps({"benchmark": "attention_sweep", "rows": [
+        {"batch": "decode", "tiles": {"block_m": 16, "tile_n": 64, "num_warps": 8, "num_stages": 3},
+         "ms": 0.2, "TB/s": 3.0, "max_abs_diff": 0.0}]})
+    table = results_table.results_table([throughput_line, latency_line, sweep_line]).splitlines()
     assert table[2] == "| throughput | --no-fused-ops | 14,279 output tok/s (133,966 tokens in 9.382 s, 1,033 steps) |"
     assert table[3].startswith("| transformers, 16 requests | same process | 140 output tok/s")
     assert table[4] == "| latency | batch 1, prompt 512, output 128 | TTFT 17.8 ms, TPOT 1.79 ms |"
-    assert len(table) == 5
+    assert table[5] == "| attention sweep | decode: 16 x 64 tiles, 8 warps, 3 stages | 200.0 us, 3.00 TB/s |"
+    assert len(table) == 6
+
+
+def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs():
+    """The sweep's step builder and forced tile shapes, under the interpreter on a small step: a
+    decode batch and a mixed one, each tile shape giving the backend's own outputs."""
+    import attention_sweep as sweep
+    from micro_vllm.attention.operators import triton_attn
+
+    chosen = []
+    pick = triton_attn._pick_tiles
+    for query_lens, context_lens, tiles in (([1, 1, 1], [20, 45, 3], sweep.DECODE_TILES[1]),
+                                            ([40, 1], [0, 30], sweep.PREFILL_TILES[1])):
+        step = sweep.make_step(query_lens, context_lens, "cpu", dtype=torch.float32)
+        triton_attn._pick_tiles = lambda *args: chosen.append(pick(*args)) or pick(*args)
+        expected = sweep.attend(step, None)
+        triton_attn._pick_tiles = pick
+        forced = sweep.attend(step, tiles)
+        assert triton_attn._pick_tiles is pick  # restored
+        assert chosen[-1] != tiles  # the forced shape is not the default one
+        torch.testing.assert_close(forced, expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,112 @@
+"""Time the Triton attention kernel under several tile shapes, on the benchmark model's shapes.
+
+    python benchmarks/attention_sweep.py [--json results.jsonl]
+
+Two batches: the recipe's steady decode state (256 requests, one query each, contexts of 100 to
+2,047 tokens) and a prefill step (16 prompts of 1,024 tokens beside 64 decodes). Qwen3-0.6B's
+attention: 16 query heads, 8 KV heads of 128, bf16, pages of 16 tokens in random order. Each tile
+shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed with
+``triton.testing.do_bench`` (median); decode reports K/V read in TB/s, prefill TFLOP/s.
+``tests/hopper_compile.py`` reports each shape's registers and spills without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from micro_vllm.attention.attention import AttentionMetadata
+from micro_vllm.attention.operators import triton_attn
+
+Tiles = triton_attn._Tiles
+DECODE_TILES = [Tiles(16, 128, 4, 3, True), Tiles(16, 64, 4, 3, True), Tiles(16, 64, 4, 4, True),
+                Tiles(16, 128, 8, 3, True), Tiles(16, 64, 8, 3, True), Tiles(16, 32, 4, 4, True)]
+PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 64, 8, 2, False),
+                 Tiles(128, 64, 8, 2, False), Tiles(64, 64, 4, 3, False)]
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
+
+
+def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype=torch.bfloat16, seed: int = 0):
+    """A step's query, paged K/V cache and metadata: request i has ``context_lens[i]`` cached tokens
+    and ``query_lens[i]`` new ones, its pages scattered over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    pages_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(pages_per_req) + 1
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 stays the null block
+    table = torch.zeros(len(seq_lens), max(pages_per_req), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(pages_per_req):
+        table[i, :n] = torch.tensor(order[start : start + n], dtype=torch.int32)
+        start += n
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc.to(device), seq_lens=seq_lens_t.to(device), block_table=table.to(device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens_t,
+    )
+    return query.to(device), kv_cache.to(device), metadata
+
+
+def attend(step, tiles: Tiles | None) -> torch.Tensor:
+    """The backend's forward with ``tiles`` forced (None: the backend's own choice)."""
+    query, kv_cache, metadata = step
+    pick = triton_attn._pick_tiles
+    if tiles is not None:
+        triton_attn._pick_tiles = lambda *args: tiles
+    try:
+        return triton_attn.TritonBackend().forward(query, kv_cache, metadata, scale=HEAD_SIZE**-0.5,
+                                                   sliding_window=None)
+    finally:
+        triton_attn._pick_tiles = pick
+
+
+def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str) -> list[dict]:
+    """Check and time each tile shape; ``work`` is what one call does (bytes or FLOPs), reported
+    per second in units of 10^12 (``unit``)."""
+    from triton.testing import do_bench
+
+    expected = attend(step, None).float()
+    rows = []
+    for tiles in tile_list:
+        error = (attend(step, tiles).float() - expected).abs().max().item()
+        ms = do_bench(lambda: attend(step, tiles), warmup=25, rep=200, return_mode="median")
+        rate = work / (ms * 1e-3) / 1e12
+        rows.append({"batch": name, "tiles": tiles._asdict(), "ms": ms, unit: rate, "max_abs_diff": error})
+        print(f"{name:8s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
+              f"{tiles.num_stages}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  max |diff| {error:.1e}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="append the results as one JSON line to this file")
+    args = parser.parse_args()
+    rng = random.Random(0)
+
+    contexts = [rng.randint(100, 2047) for _ in range(256)]
+    decode = make_step([1] * 256, contexts, "cuda")
+    kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
+    rows = sweep("decode", decode, DECODE_TILES, kv_bytes, "TB/s")
+
+    query_lens = [1024] * 16 + [1] * 64
+    context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]
+    prefill = make_step(query_lens, context_lens, "cuda", seed=1)
+    # QK^T and PV over the causal half of each prompt, every query head: 2 * 2 * D FLOPs per pair.
+    pairs = sum(q * (q + 1) // 2 + q * c for q, c in zip(query_lens, context_lens))
+    rows += sweep("prefill", prefill, PREFILL_TILES, 4 * HEAD_SIZE * NUM_HEADS * pairs, "TFLOP/s")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"benchmark": "attention_sweep", "rows": rows}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
