@@ -127,10 +127,9 @@ def profile_decode_steps(llm: LLM, prompts, temperature: float, skip_steps: int 
 def disable_fused_ops() -> None:
     """Make the layers take their PyTorch path on CUDA too: the 'before' of the fused kernels,
     measured in the same run as the 'after'."""
-    from micro_vllm.layers import activation, norm, rotary
+    from micro_vllm.layers import fused
 
-    for module in (activation, norm, rotary):
-        module.triton_ops = None
+    fused.triton_ops = None
 
 
 def run_transformers(model_dir, prompts, max_new_tokens: int, temperature: float) -> tuple[int, float]:

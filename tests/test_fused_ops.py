@@ -27,7 +27,7 @@ from tiny_models import make_tiny_model
 pytest.importorskip("triton")
 
 from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
-from micro_vllm.layers import activation, norm, rotary, triton_ops  # noqa: E402
+from micro_vllm.layers import fused, triton_ops  # noqa: E402
 from micro_vllm.layers.activation import SiluAndMul  # noqa: E402
 from micro_vllm.layers.norm import RMSNorm  # noqa: E402
 from micro_vllm.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -86,8 +86,7 @@ def fused_qkv(
 def pytorch_layers() -> Iterator[None]:
     """The layers run their PyTorch code, even on CUDA."""
     with pytest.MonkeyPatch.context() as patch:
-        for module in (norm, rotary, activation):
-            patch.setattr(module, "triton_ops", None)
+        patch.setattr(fused, "triton_ops", None)
         yield
 
 

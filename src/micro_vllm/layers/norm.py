@@ -11,10 +11,7 @@ from typing import overload
 import torch
 from torch import nn
 
-try:
-    from micro_vllm.layers import triton_ops
-except ImportError:  # Triton is optional: without it CUDA runs the PyTorch code too
-    triton_ops = None
+from micro_vllm.layers.fused import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +36,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if triton_ops is not None and x.is_cuda:
-            return triton_ops.rms_norm(x, self.weight, self.eps, residual)
+        if (ops := fused_ops(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._normalize(x)
         x = x + residual

@@ -14,10 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-try:
-    from micro_vllm.layers import triton_ops
-except ImportError:  # Triton is optional: without it CUDA runs the PyTorch code too
-    triton_ops = None
+from micro_vllm.layers.fused import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -85,8 +82,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if triton_ops is not None and query.is_cuda:
-            return triton_ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
+        if (ops := fused_ops(query)) is not None:
+            return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
