@@ -20,7 +20,7 @@ import torch
 
 from bench_model import build_random_model, recipe_requests
 from micro_vllm import LLM, SamplingParams
-from micro_vllm.worker.model_runner import AsyncModelRunnerOutput
+from micro_vllm.worker.model_runner import DeviceStepOutput
 
 
 def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[int, float]:
@@ -63,7 +63,7 @@ def time_phases(llm: LLM):
     wrapped = [(engine.scheduler, "schedule"), (engine.scheduler, "update_from_output", "update"),
                (engine.executor, "execute_model", "execute"), (engine, "step"),
                (runner, "_prepare_inputs", "prepare"), (runner, "_run_model", "forward"), (runner, "sampler", "sample"),
-               (AsyncModelRunnerOutput, "get_output")]
+               (DeviceStepOutput, "get_output")]
     saved = []
     for obj, method, *name in wrapped:
         saved.append((obj, method, obj.__dict__.get(method)))

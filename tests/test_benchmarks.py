@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from micro_vllm import LLM
-from micro_vllm.worker.model_runner import AsyncModelRunnerOutput
+from micro_vllm.worker.model_runner import DeviceStepOutput
 from tiny_models import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -40,7 +40,7 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     assert phases["with prefill_calls"] > 0 and phases["decodes 1-15_calls"] > 0
     engine = llm.engine
     assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)  # unwrapped
-    assert AsyncModelRunnerOutput.get_output.__qualname__ == "AsyncModelRunnerOutput.get_output"
+    assert DeviceStepOutput.get_output.__qualname__ == "DeviceStepOutput.get_output"
 
 
 def test_results_table_has_a_row_per_measurement():

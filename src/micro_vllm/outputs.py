@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
@@ -12,3 +13,12 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+
+
+class AsyncModelRunnerOutput(ABC):
+    """A launched step's output, still on its way from the device: the Engine plans the next step
+    before it calls ``get_output`` (async scheduling)."""
+
+    @abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """Wait for the step's sampled tokens and return them."""

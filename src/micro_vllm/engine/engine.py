@@ -24,10 +24,10 @@ from micro_vllm.engine.output import RequestOutput
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.model_loader.default import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
+from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
 from micro_vllm.trace import Tracer, resolve_trace
-from micro_vllm.worker.model_runner import AsyncModelRunnerOutput
 
 PromptType = Union[str, list[int], dict[str, Any]]
 

@@ -10,7 +10,7 @@ from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
-from micro_vllm.worker.model_runner import AsyncModelRunnerOutput
+from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.worker.worker import Worker
 
 

@@ -21,7 +21,7 @@ from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.model_loader.default import load_model
-from micro_vllm.outputs import ModelRunnerOutput
+from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
 from micro_vllm.worker.input_batch import InputBatch
 
@@ -65,9 +65,10 @@ class StagedBuffer:
         return self.device[:n]
 
 
-class AsyncModelRunnerOutput:
-    """The tokens one step samples, on their way to the host. ``get_output`` waits for them and
-    writes them into the persistent batch (by request id: rows may have moved since)."""
+class DeviceStepOutput(AsyncModelRunnerOutput):
+    """The tokens one step samples, on their way to the host (vLLM: AsyncGPUModelRunnerOutput).
+    ``get_output`` waits for them and writes them into the persistent batch (by request id: rows may
+    have moved since)."""
 
     def __init__(self, req_ids: list[str], sample_rows: np.ndarray, positions: np.ndarray,
                  sampled: torch.Tensor | None, input_batch: InputBatch) -> None:
@@ -127,7 +128,7 @@ class ModelRunner:
         # staged buffers before then (nothing else waits for the GPU between steps). Every copy of a
         # step is queued before its forward pass, so the wait never covers GPU compute.
         self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
-        self.last_output: AsyncModelRunnerOutput | None = None  # the step launched last
+        self.last_output: DeviceStepOutput | None = None  # the step launched last
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -183,12 +184,12 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
+    def execute_model(self, plan: SchedulerOutput) -> DeviceStepOutput:
         """Launch the plan's step; its tokens arrive through the returned handle."""
         self._update_states(plan)
         req_ids = list(plan.num_scheduled_tokens)
         if plan.is_empty:
-            return AsyncModelRunnerOutput(req_ids, np.empty(0, np.int64), np.empty(0, np.int64), None, self.input_batch)
+            return DeviceStepOutput(req_ids, np.empty(0, np.int64), np.empty(0, np.int64), None, self.input_batch)
         inputs = self._prepare_inputs(plan, req_ids)
         hidden_states = self._run_model(inputs)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
@@ -200,7 +201,7 @@ class ModelRunner:
         batch.num_tokens[sample_rows] += 1
         batch.last_sample_index.fill(-1)
         batch.last_sample_index[sample_rows] = np.arange(len(sample_rows))
-        self.last_output = AsyncModelRunnerOutput(req_ids, inputs.sample_rows, positions, sampled, batch)
+        self.last_output = DeviceStepOutput(req_ids, inputs.sample_rows, positions, sampled, batch)
         return self.last_output
 
     def _update_states(self, plan: SchedulerOutput) -> None:

@@ -10,7 +10,8 @@ from micro_vllm.attention.operators.registry import get_backend
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
-from micro_vllm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, RunnerSettings
+from micro_vllm.outputs import AsyncModelRunnerOutput
+from micro_vllm.worker.model_runner import ModelRunner, RunnerSettings
 
 logger = logging.getLogger(__name__)
 
