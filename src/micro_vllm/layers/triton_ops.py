@@ -2,11 +2,12 @@
 rotary embedding, and SiLU-and-mul, one launch each.
 
 Why: in a 256-request decode step on an H200 the unfused PyTorch layers launch about 45 tiny
-elementwise and reduction kernels per decoder layer (more than 1,300 per step, 1 to 5 µs each, about
-30% of the step's GPU time; docs/benchmarks.md). Each op here replaces 2 (SiLU-and-mul) to 16
-(rotary embedding) of them: counting the ops each path calls, a Qwen3 layer goes from 52 such
-launches to 6 and a Llama layer from 36 to 4. What that saves in time is measured on the GPU
-(``benchmarks/throughput.py --no-fused-ops`` against the default), not claimed here.
+elementwise and reduction kernels per decoder layer (more than 1,300 per step, about 30% of the
+step's GPU time in session 1's profile; docs/benchmarks.md, "How it got here"). Each op here
+replaces 2 (SiLU-and-mul) to 16 (rotary embedding) of them: counting the ops each path calls, a
+Qwen3 layer goes from 52 such launches to 6 and a Llama layer from 36 to 4. What that saves in time
+is measured on the GPU (``benchmarks/throughput.py --no-fused-ops`` against the default; the figures
+are in docs/benchmarks.md), not claimed here.
 
 Each kernel is a twin of the PyTorch code in ``norm.py``, ``rotary.py`` and ``activation.py``, not
 an approximation of it: PyTorch computes every bf16/fp16 elementwise op in fp32 and rounds the
