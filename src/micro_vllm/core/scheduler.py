@@ -159,15 +159,16 @@ class Scheduler:
             request.append_output_token(token_ids[0])
             if request.num_computed_tokens == request.num_tokens:  # a later step computed it already
                 self.kv_cache_manager.cache_blocks(request, request.num_tokens)
+            preempted = request.status == RequestStatus.PREEMPTED  # while its last token was in flight
             if self._check_stop(request):
                 finished.append(request)
+                if preempted:
+                    self.waiting.remove(request)
         if finished:
             # One pass over the running list per step, not one search per finished request.
             finished_ids = {r.request_id for r in finished}
             self.running = [r for r in self.running if r.request_id not in finished_ids]
             for request in finished:
-                if request in self.waiting:  # preempted while its last token was in flight
-                    self.waiting.remove(request)
                 self._free(request)
         return finished
 
