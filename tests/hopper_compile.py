@@ -29,6 +29,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
 from micro_vllm.attention.operators import triton_attn  # noqa: E402
 from micro_vllm.layers import triton_ops  # noqa: E402
+from micro_vllm.sampling import triton_sampler  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 MAX_SHARED_MEMORY = 232_448  # bytes a block may use on sm_90 (227 KiB)
@@ -141,6 +142,8 @@ def main() -> int:
     for group, window, num_splits in ((2, None, 1), (2, None, 4), (4, 256, 1)):
         attention_launches(torch.bfloat16, group, window, num_splits)
     attention_launches(torch.float32, 2, None, 1)  # fp32 dots ("ieee") take another code path
+    for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype
+        triton_sampler.gumbel_sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64))
     print(f"{len(compiled)} kernel variants compiled for sm_90")
     return 0
 

@@ -57,18 +57,26 @@ def test_results_table_has_a_row_per_measurement():
                                "rows": [{"batch_size": 1, "ttft_ms": 17.8, "tpot_ms": 1.791}]})
     sweep_line = json.dumps({"benchmark": "attention_sweep", "rows": [
         {"batch": "decode", "tiles": {"block_m": 16, "tile_n": 64, "num_warps": 8, "num_stages": 3},
-         "ms": 0.2, "TB/s": 3.0, "max_abs_diff": 0.0}]})
-    table = results_table.results_table([throughput_line, latency_line, sweep_line]).splitlines()
+         "ms": 0.2, "TB/s": 3.0, "max_abs_diff": 0.0},
+        {"batch": "decode 64", "tiles": {"block_m": 16, "tile_n": 128, "num_warps": 4, "num_stages": 3},
+         "splits": 2, "ms": 0.1, "TB/s": 2.5, "max_abs_diff": 0.0}]})
+    gemm_line = json.dumps({"benchmark": "gemm_shapes", "rows": [
+        {"blas": "cublas", "batch": 8, "matmul": "o_proj", "per_step": 28, "us": 4.0, "weight_TB/s": 1.05},
+        {"blas": "cublas", "batch": 8, "matmul": "lm_head", "per_step": 1, "us": 90.0, "weight_TB/s": 3.46}]})
+    table = results_table.results_table([throughput_line, latency_line, sweep_line, gemm_line]).splitlines()
     assert table[2] == "| throughput | --no-fused-ops | 14,279 output tok/s (133,966 tokens in 9.382 s, 1,033 steps) |"
     assert table[3].startswith("| transformers, 16 requests | same process | 140 output tok/s")
     assert table[4] == "| latency | batch 1, prompt 512, output 128 | TTFT 17.8 ms, TPOT 1.79 ms |"
     assert table[5] == "| attention sweep | decode: 16 x 64 tiles, 8 warps, 3 stages | 200.0 us, 3.00 TB/s |"
-    assert len(table) == 6
+    assert table[6] == "| attention sweep | decode 64: 16 x 128 tiles, 4 warps, 3 stages, 2 splits | 100.0 us, 2.50 TB/s |"
+    assert table[7] == ("| gemm shapes | cublas, batch 8 | 202 us per step: o_proj 4.0 us (1.05 TB/s), "
+                        "lm_head 90.0 us (3.46 TB/s) |")
+    assert len(table) == 8
 
 
 def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs():
-    """The sweep's step builder and forced tile shapes, under the interpreter on a small step: a
-    decode batch and a mixed one, each tile shape giving the backend's own outputs."""
+    """The sweep's step builder, forced tile shapes and split counts, under the interpreter on a
+    small step: a decode batch and a mixed one, each forced setting giving the backend's own outputs."""
     import attention_sweep as sweep
     from micro_vllm.attention.operators import triton_attn
 
@@ -84,3 +92,6 @@ def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs():
         assert triton_attn._pick_tiles is pick  # restored
         assert chosen[-1] != tiles  # the forced shape is not the default one
         torch.testing.assert_close(forced, expected, atol=1e-4, rtol=1e-4)
+    split = sweep.attend(step := sweep.make_step([1, 1], [700, 90], "cpu", dtype=torch.float32), None, 2)
+    assert triton_attn._num_splits.__name__ == "_num_splits"  # restored
+    torch.testing.assert_close(split, sweep.attend(step, None), atol=1e-4, rtol=1e-4)

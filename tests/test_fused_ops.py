@@ -27,7 +27,8 @@ from tiny_models import make_tiny_model
 pytest.importorskip("triton")
 
 from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
-from micro_vllm.layers import fused, triton_ops  # noqa: E402
+from micro_vllm import fused  # noqa: E402
+from micro_vllm.layers import triton_ops  # noqa: E402
 from micro_vllm.layers.activation import SiluAndMul  # noqa: E402
 from micro_vllm.layers.norm import RMSNorm  # noqa: E402
 from micro_vllm.layers.rotary import RotaryEmbedding  # noqa: E402

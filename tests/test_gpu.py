@@ -434,13 +434,15 @@ def test_chunked_prefill_and_prefix_caching_keep_greedy_outputs(family, model_di
 # -- seeded sampling ----------------------------------------------------------------------------
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs):
-    """Same seed, same tokens, alone or in any batch (temperature, top-k and top-p all on), on the
-    GPU sampler with CUDA graphs. In fp32: a seeded request cannot be more reproducible than its
-    logits, and in bf16 those may differ in the last bit with the batch's shape (GEMM kernels chosen
-    by the number of rows, graph padding); fp32 makes that negligible, so what is tested is the
-    sampler's per-request noise."""
-    seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=20, seed=1234, ignore_eos=True)
+@pytest.mark.parametrize("filters", [dict(top_p=0.9, top_k=20), {}], ids=["top-k-top-p", "temperature-only"])
+def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs, filters):
+    """Same seed, same tokens, alone or in any batch, on the GPU sampler with CUDA graphs. With
+    temperature only, the request alone takes the sampler kernel's one-pass route and in the crowd
+    (which has top-k / top-p rows) the filtered route: the draws must agree. In fp32: a seeded
+    request cannot be more reproducible than its logits, and in bf16 those may differ in the last
+    bit with the batch's shape (GEMM kernels chosen by the number of rows, graph padding); fp32
+    makes that negligible, so what is tested is the sampler's per-request noise."""
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=1234, ignore_eos=True, **filters)
     others = [
         greedy(24),
         SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True),  # unseeded: the engine's generator

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from micro_vllm.layers.fused import fused_ops
+from micro_vllm.fused import fused_ops
 
 
 class SiluAndMul(nn.Module):

@@ -11,7 +11,7 @@ from typing import overload
 import torch
 from torch import nn
 
-from micro_vllm.layers.fused import fused_ops
+from micro_vllm.fused import fused_ops
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from micro_vllm.layers.fused import fused_ops
+from micro_vllm.fused import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 

@@ -22,6 +22,7 @@ from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.model_loader.default import load_model
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from micro_vllm.fused import fused_sampler
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
 from micro_vllm.worker.input_batch import InputBatch
 
@@ -121,6 +122,7 @@ class ModelRunner:
         self.device = settings.device
         self.model = load_model(model_path, hf_config, settings.dtype, settings.device, settings.attention_backend)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(settings.seed))
+        self.seed_stream = np.random.default_rng(settings.seed)  # per-row seeds of the Triton sampler
         self.layer_group: list[int] = []  # decoder layer -> its KV cache group
         self.input_batch: InputBatch | None = None
         self.cuda_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, output
@@ -173,6 +175,7 @@ class ModelRunner:
         self.temperature = staged(max_reqs, dtype=torch.float32)
         self.top_k = staged(max_reqs)
         self.top_p = staged(max_reqs, dtype=torch.float32)
+        self.seeds = staged(max_reqs, dtype=torch.int64)
         self.prev_token_dst = staged(max_reqs, dtype=torch.int64)  # step tokens that take ...
         self.prev_token_src = staged(max_reqs, dtype=torch.int64)  # ... the last step's sampled tokens
         self.arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=self.device)
@@ -349,22 +352,31 @@ class ModelRunner:
         temperature = np.take(batch.temperature, rows, out=self.temperature.np[:n])
         top_k = np.take(batch.top_k, rows, out=self.top_k.np[:n])
         top_p = np.take(batch.top_p, rows, out=self.top_p.np[:n])
-        generators = {}
-        for i in np.flatnonzero(batch.seed[rows] >= 0).tolist():
-            row = rows[i]
-            # Reseed per output position: the draw depends only on (seed, position), so it survives
-            # preemption and does not depend on what else is in the batch.
-            position = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])  # before this step's token
-            seed = hash((int(batch.seed[row]), position)) & (2**63 - 1)
-            generators[i] = torch.Generator(device=self.device).manual_seed(seed)
-        return SamplingMetadata(
+        metadata = SamplingMetadata(
             temperature=self.temperature.copy_to_device(n),
             top_k=self.top_k.copy_to_device(n) if top_k.any() else None,
             top_p=self.top_p.copy_to_device(n) if (top_p < 1).any() else None,
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
-            generators=generators,
         )
+        # A seeded row's randomness depends only on (seed, output position): it survives preemption
+        # and does not depend on what else is in the batch.
+        seeded = np.flatnonzero(batch.seed[rows] >= 0)
+        positions = batch.num_tokens[rows[seeded]] - batch.num_prompt_tokens[rows[seeded]]  # this token's
+        row_seeds = [hash((int(batch.seed[rows[i]]), int(p))) & (2**63 - 1) for i, p in zip(seeded, positions)]
+        if self._takes_sampler_kernel(metadata):
+            seeds = self.seeds.np[:n]
+            seeds[:] = self.seed_stream.integers(0, 2**63 - 1, n)  # unseeded rows: the engine's stream
+            seeds[seeded] = row_seeds
+            metadata.seeds = self.seeds.copy_to_device(n)
+        else:
+            metadata.generators = {int(i): torch.Generator(device=self.device).manual_seed(seed)
+                                   for i, seed in zip(seeded, row_seeds)}
+        return metadata
+
+    def _takes_sampler_kernel(self, metadata: SamplingMetadata) -> bool:
+        """CUDA batches that sample draw with the one-pass Triton sampler."""
+        return fused_sampler(self.device) is not None and not metadata.all_greedy
 
     # -- CUDA graphs ---------------------------------------------------------------------------
 
@@ -466,6 +478,8 @@ class ModelRunner:
         top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=self.device)
         top_p = torch.full((num_reqs,), 0.9, device=self.device)
         Sampler()(logits, SamplingMetadata(temperature, top_k, top_p, all_greedy=False, all_random=True))
+        if (kernel := fused_sampler(self.device)) is not None:  # compiled here, not while serving
+            kernel.gumbel_sample(logits, temperature, torch.zeros(num_reqs, dtype=torch.int64, device=self.device))
 
 
 def profile_query_lens(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> np.ndarray:

@@ -1,0 +1,79 @@
+"""Sampling in one pass over the logits on CUDA (Triton): the Gumbel-max trick.
+
+``argmax(logits / T + G)`` with ``G = -log(-log(U))`` draws from ``softmax(logits / T)``; a greedy
+row (``T == 0``) takes the plain argmax, ties to the lowest index as ``torch.argmax`` does. The
+PyTorch sampler makes about five passes over the logits (scale, softmax, noise, divide, argmax);
+this reads them once. ``U`` comes from Triton's Philox generator keyed by a per-row seed and the
+vocabulary index, so a row's draw depends only on its seed: the runner derives it from the request's
+seed and output position (or from the engine's stream for unseeded rows), which keeps seeded
+requests independent of the batch.
+
+Each row is cut into chunks of ``_CHUNK`` tokens, one program each, so a batch of a few rows still
+fills the GPU; a chunk's best (score, index) goes to a small buffer whose argmax over chunks (first
+wins ties, and chunks are in vocabulary order) picks the token. Top-k / top-p need a sort: the
+Sampler masks the scaled logits in PyTorch and passes them here with temperature 1. The scaling
+divides (``div_rn``, as PyTorch does), so both routes give a row the same scores and the same draw.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from micro_vllm.attention.operators.triton_interpreter import patch_triton_interpreter
+
+_CHUNK = 8192  # tokens per program: 19 chunks for Qwen3's 151,936-token vocabulary
+_BLOCK = 2048  # tokens per loop iteration of a program
+
+
+@triton.jit
+def _gumbel_argmax_kernel(best_ptr, best_index_ptr, logits_ptr, logits_stride, temperature_ptr, seed_ptr,
+                          vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    greedy = temperature == 0
+    temperature = tl.where(greedy, 1.0, temperature)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.zeros([], dtype=tl.int32)
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab_size), BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < vocab_size
+        x = tl.load(logits_ptr + row * logits_stride + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        if greedy:
+            score = x
+        else:
+            u = tl.rand(seed, cols)
+            score = tl.div_rn(x, temperature) - tl.log(-tl.log(u))
+        score = tl.where(valid, score, float("-inf"))
+        block_best = tl.max(score, 0)
+        better = block_best > best  # strict: an earlier block wins a tie, as torch.argmax does
+        best_index = tl.where(better, tl.argmax(score, 0) + start, best_index)
+        best = tl.maximum(best, block_best)
+    tl.store(best_ptr + row * num_chunks + chunk, best)
+    tl.store(best_index_ptr + row * num_chunks + chunk, best_index)
+
+
+if type(_gumbel_argmax_kernel).__name__ == "InterpretedFunction":  # TRITON_INTERPRET=1: tests on CPU
+    patch_triton_interpreter()
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [n, vocab]: greedy where ``temperature`` is 0, else a draw
+    from ``softmax(logits / temperature)`` keyed by the row's int64 ``seeds``."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab_size = logits.shape
+    chunk = min(_CHUNK, triton.next_power_of_2(vocab_size))
+    block = min(_BLOCK, chunk)
+    num_chunks = triton.cdiv(vocab_size, chunk)
+    best = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    best_index = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    if num_rows:
+        _gumbel_argmax_kernel[(num_rows, num_chunks)](
+            best, best_index, logits, logits.stride(0), temperature.to(torch.float32), seeds, vocab_size,
+            num_chunks, CHUNK=chunk, BLOCK=block,
+        )
+    return best_index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()

@@ -1,0 +1,154 @@
+"""The one-pass Triton sampler against the definition: greedy rows are torch.argmax (ties included),
+random rows follow softmax(logits / T), and a row's draw depends only on its seed. On CPU under
+TRITON_INTERPRET=1 (conftest), small vocabularies."""
+
+import math
+
+import pytest
+import torch
+
+from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
+from micro_vllm.sampling.triton_sampler import gumbel_sample
+
+
+def test_greedy_rows_are_torch_argmax_with_ties_to_the_lowest_index():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    logits[1, [7, 250]] = 9.0  # a tie inside one block
+    logits[2, :] = 1.0  # all equal: index 0
+    logits = logits.to(torch.bfloat16)
+    tokens = gumbel_sample(logits, torch.zeros(6), torch.arange(6, dtype=torch.int64))
+    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("chunk, block", [(256, 64), (64, 32)])
+def test_ties_across_blocks_and_chunks_keep_the_first(monkeypatch, chunk, block):
+    from micro_vllm.sampling import triton_sampler
+
+    monkeypatch.setattr(triton_sampler, "_CHUNK", chunk)
+    monkeypatch.setattr(triton_sampler, "_BLOCK", block)
+    logits = torch.zeros(3, 200)
+    logits[0, [10, 150]] = 5.0
+    logits[1, [70, 190]] = 5.0
+    logits[2, [40, 41]] = 5.0
+    assert gumbel_sample(logits, torch.zeros(3), torch.zeros(3, dtype=torch.int64)).tolist() == [10, 70, 40]
+
+
+def test_random_rows_follow_the_softmax():
+    """800 draws, each with its own seed, over 12 tokens at temperature 0.7: every frequency within
+    5 standard deviations of softmax(logits / 0.7)."""
+    vocab, draws, temperature = 12, 800, 0.7
+    row = torch.linspace(-2.0, 1.5, vocab)
+    logits = row.repeat(draws, 1)
+    tokens = gumbel_sample(logits, torch.full((draws,), temperature), torch.arange(draws, dtype=torch.int64) * 7919)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    p = torch.softmax(row.double() / temperature, dim=0)
+    sigma = (draws * p * (1 - p)).sqrt()
+    assert ((counts - draws * p).abs() <= 5 * sigma + 1).all(), (counts / draws, p)
+
+
+def test_a_rows_draw_depends_only_on_its_seed():
+    torch.manual_seed(1)
+    logits = torch.randn(5, 50)
+    temperature = torch.full((5,), 1.0)
+    seeds = torch.tensor([11, 22, 33, 44, 55])
+    tokens = gumbel_sample(logits, temperature, seeds)
+    # The same row alone, or among other rows in another order, draws the same token.
+    assert gumbel_sample(logits[3:4], temperature[:1], seeds[3:4]).tolist() == tokens[3:4].tolist()
+    order = torch.tensor([4, 3, 0])
+    assert gumbel_sample(logits[order], temperature[order], seeds[order]).tolist() == tokens[order].tolist()
+    # Other seeds, other draws (for some row, almost surely).
+    assert gumbel_sample(logits, temperature, seeds + 1).tolist() != tokens.tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-4, 0.05])
+def test_a_low_temperature_is_nearly_greedy(temperature):
+    torch.manual_seed(2)
+    logits = torch.randn(8, 100) * 3
+    tokens = gumbel_sample(logits, torch.full((8,), temperature), torch.arange(8, dtype=torch.int64))
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def _kernel_metadata(temperature, seeds, top_k=None, top_p=None) -> SamplingMetadata:
+    return SamplingMetadata(temperature, top_k, top_p, all_greedy=False, all_random=bool((temperature > 0).all()),
+                            seeds=seeds)
+
+
+def test_a_row_draws_the_same_token_beside_filtered_rows():
+    """A batch with a top-k row goes through the Sampler's filter first; the other rows must keep
+    the draw they get from the one-pass route (same scores, same seeds), greedy rows their argmax."""
+    torch.manual_seed(3)
+    logits = (torch.randn(17, 300) * 2).to(torch.bfloat16)
+    temperature = torch.rand(17) + 0.5
+    temperature[4] = 0.0
+    seeds = torch.arange(17, dtype=torch.int64) * 104729 + 5
+    direct = Sampler()(logits, _kernel_metadata(temperature, seeds))
+    top_k = torch.zeros(17, dtype=torch.int32)
+    top_k[16] = 5
+    filtered = Sampler()(logits, _kernel_metadata(temperature, seeds, top_k=top_k))
+    assert filtered[:16].tolist() == direct[:16].tolist()
+    assert direct[4].item() == logits[4].float().argmax().item()
+    assert filtered[16].item() in logits[16].float().topk(5).indices.tolist()
+
+
+def test_filtered_rows_follow_the_truncated_softmax():
+    """800 draws with top-k 4 over 12 tokens: never outside the top 4, each of those within 5
+    standard deviations of its renormalised probability."""
+    vocab, draws, temperature = 12, 800, 0.7
+    row = torch.linspace(-2.0, 1.5, vocab)
+    metadata = _kernel_metadata(torch.full((draws,), temperature), torch.arange(draws, dtype=torch.int64) * 7919,
+                                top_k=torch.full((draws,), 4, dtype=torch.int32))
+    counts = torch.bincount(Sampler()(row.repeat(draws, 1), metadata), minlength=vocab).double()
+    p = torch.zeros(vocab, dtype=torch.float64)
+    p[-4:] = torch.softmax(row[-4:].double() / temperature, dim=0)
+    assert counts[:-4].sum() == 0
+    assert ((counts - draws * p).abs() <= 5 * (draws * p * (1 - p)).sqrt() + 1).all(), (counts / draws, p)
+
+
+def test_the_runner_path_keeps_seeded_requests_independent_of_the_batch(tmp_path, monkeypatch):
+    """Through LLM with the kernel path forced on CPU: a seeded request draws the same tokens alone
+    and in a crowd, greedy rows stay greedy beside sampled ones, and the engine seed fixes the rest."""
+    from micro_vllm import LLM, SamplingParams
+    from micro_vllm.worker import model_runner
+    from tiny_models import make_tiny_model
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_takes_sampler_kernel",
+                        lambda self, metadata: not metadata.all_greedy)
+    path = make_tiny_model("qwen3", tmp_path)
+    prompts = [[5, 6, 7, 8], [9] * 11, [3, 1, 4, 1, 5, 9, 2, 6], [42]]
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    unseeded = SamplingParams(max_tokens=10, temperature=0.8, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
+            alone = llm.generate([prompts[2]], seeded, use_tqdm=False)[0].output_token_ids
+            greedy_alone = llm.generate([prompts[0]], greedy, use_tqdm=False)[0].output_token_ids
+            crowd = llm.generate(prompts, [greedy, unseeded, seeded, unseeded], use_tqdm=False)
+            runs.append([o.output_token_ids for o in crowd])
+        assert crowd[2].output_token_ids == alone
+        assert crowd[0].output_token_ids == greedy_alone
+    assert runs[0] == runs[1]  # the engine seed (0) fixes the unseeded rows too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestOnGpu:
+    def test_real_shapes_greedy_and_batch_independence(self):
+        """The benchmark's shape: 256 rows of bf16 logits over 151,936 tokens."""
+        logits = torch.randn(256, 151936, device="cuda").to(torch.bfloat16)
+        seeds = torch.randint(0, 2**62, (256,), device="cuda")
+        greedy = gumbel_sample(logits, torch.zeros(256, device="cuda"), seeds)
+        assert greedy.tolist() == logits.float().argmax(dim=-1).tolist()
+        temperature = torch.full((256,), 0.6, device="cuda")
+        tokens = gumbel_sample(logits, temperature, seeds)
+        assert gumbel_sample(logits[100:101], temperature[:1], seeds[100:101]).item() == tokens[100].item()
+
+    def test_random_rows_follow_the_softmax(self):
+        vocab, draws, temperature = 12, 200_000, 0.7
+        row = torch.linspace(-2.0, 1.5, vocab, device="cuda")
+        seeds = torch.randint(0, 2**62, (draws,), device="cuda")
+        tokens = gumbel_sample(row.repeat(draws, 1), torch.full((draws,), temperature, device="cuda"), seeds)
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        p = torch.softmax(row.double() / temperature, dim=0)
+        assert ((counts - draws * p).abs() <= 5 * (draws * p * (1 - p)).sqrt() + 1).all()
