@@ -2,8 +2,10 @@
 
     python benchmarks/attention_sweep.py [--json results.jsonl]
 
-Two batches: the recipe's steady decode state (256 requests, one query each, contexts of 100 to
-2,047 tokens) and a prefill step (16 prompts of 1,024 tokens beside 64 decodes). Qwen3-0.6B's
+Decode batches of 256, 128 and 64 requests (one query each; the recipe's full batch with contexts
+of 100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer), each
+under every tile shape and split count (flash-decoding programs per request and KV head), and a
+prefill step (16 prompts of 1,024 tokens beside 64 decodes). Qwen3-0.6B's
 attention: 16 query heads, 8 KV heads of 128, bf16, pages of 16 tokens in random order. Each tile
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed with
 ``triton.testing.do_bench`` (median); decode reports K/V read in TB/s, prefill TFLOP/s.
@@ -22,10 +24,11 @@ from micro_vllm.attention.attention import AttentionMetadata
 from micro_vllm.attention.operators import triton_attn
 
 Tiles = triton_attn._Tiles
-DECODE_TILES = [Tiles(16, 128, 4, 3, True), Tiles(16, 64, 4, 3, True), Tiles(16, 64, 4, 4, True),
-                Tiles(16, 128, 8, 3, True), Tiles(16, 64, 8, 3, True), Tiles(16, 32, 4, 4, True)]
+DECODE_TILES = [Tiles(16, 128, 4, 3, True), Tiles(16, 64, 4, 3, True), Tiles(16, 128, 8, 3, True),
+                Tiles(16, 64, 8, 3, True), Tiles(16, 32, 4, 4, True)]
 PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 64, 8, 2, False),
                  Tiles(128, 64, 8, 2, False), Tiles(64, 64, 4, 3, False)]
+SPLITS = [1, 2, 4]
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
 
@@ -56,33 +59,38 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
     return query.to(device), kv_cache.to(device), metadata
 
 
-def attend(step, tiles: Tiles | None) -> torch.Tensor:
-    """The backend's forward with ``tiles`` forced (None: the backend's own choice)."""
+def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Tensor:
+    """The backend's forward with ``tiles`` and ``num_splits`` forced (None: the backend's choice)."""
     query, kv_cache, metadata = step
-    pick = triton_attn._pick_tiles
+    pick, splits = triton_attn._pick_tiles, triton_attn._num_splits
     if tiles is not None:
         triton_attn._pick_tiles = lambda *args: tiles
+    if num_splits is not None:
+        triton_attn._num_splits = lambda *args: num_splits
     try:
         return triton_attn.TritonBackend().forward(query, kv_cache, metadata, scale=HEAD_SIZE**-0.5,
                                                    sliding_window=None)
     finally:
-        triton_attn._pick_tiles = pick
+        triton_attn._pick_tiles, triton_attn._num_splits = pick, splits
 
 
-def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str) -> list[dict]:
-    """Check and time each tile shape; ``work`` is what one call does (bytes or FLOPs), reported
-    per second in units of 10^12 (``unit``)."""
+def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split_list=(None,)) -> list[dict]:
+    """Check and time each tile shape and split count; ``work`` is what one call does (bytes or
+    FLOPs), reported per second in units of 10^12 (``unit``)."""
     from triton.testing import do_bench
 
     expected = attend(step, None).float()
     rows = []
     for tiles in tile_list:
-        error = (attend(step, tiles).float() - expected).abs().max().item()
-        ms = do_bench(lambda: attend(step, tiles), warmup=25, rep=200, return_mode="median")
-        rate = work / (ms * 1e-3) / 1e12
-        rows.append({"batch": name, "tiles": tiles._asdict(), "ms": ms, unit: rate, "max_abs_diff": error})
-        print(f"{name:8s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
-              f"{tiles.num_stages}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  max |diff| {error:.1e}")
+        for num_splits in split_list:
+            error = (attend(step, tiles, num_splits).float() - expected).abs().max().item()
+            ms = do_bench(lambda: attend(step, tiles, num_splits), warmup=25, rep=200, return_mode="median")
+            rate = work / (ms * 1e-3) / 1e12
+            rows.append({"batch": name, "tiles": tiles._asdict(), "splits": num_splits, "ms": ms, unit: rate,
+                         "max_abs_diff": error})
+            print(f"{name:10s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
+                  f"{tiles.num_stages} splits {num_splits or 'auto'}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  "
+                  f"max |diff| {error:.1e}")
     return rows
 
 
@@ -92,10 +100,12 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(0)
 
-    contexts = [rng.randint(100, 2047) for _ in range(256)]
-    decode = make_step([1] * 256, contexts, "cuda")
-    kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
-    rows = sweep("decode", decode, DECODE_TILES, kv_bytes, "TB/s")
+    rows = []
+    for num_reqs, shortest in ((256, 100), (128, 500), (64, 800)):
+        contexts = [rng.randint(shortest, 2047) for _ in range(num_reqs)]
+        decode = make_step([1] * num_reqs, contexts, "cuda")
+        kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
+        rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES, kv_bytes, "TB/s", SPLITS)
 
     query_lens = [1024] * 16 + [1] * 64
     context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]

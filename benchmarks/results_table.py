@@ -14,7 +14,7 @@ def results_table(lines: list[str]) -> str:
     for line in lines:
         record = json.loads(line)
         if record["benchmark"] == "throughput":
-            flags = [f"--{k.replace('_', '-')}" for k in ("enforce_eager", "no_fused_ops") if record.get(k)]
+            flags = [f"--{k.replace('_', '-')}" for k in ("enforce_eager", "no_fused_ops", "no_fused_sampler") if record.get(k)]
             for run in record["runs"]:
                 rows.append(f"| throughput | {' '.join(flags) or 'defaults'} | {run['tok_per_s']:,} output tok/s "
                             f"({run['output_tokens']:,} tokens in {run['seconds']} s, {run['steps']:,} steps) |")
@@ -28,9 +28,18 @@ def results_table(lines: list[str]) -> str:
         elif record["benchmark"] == "attention_sweep":
             for row in record["rows"]:
                 tiles, unit = row["tiles"], "TB/s" if "TB/s" in row else "TFLOP/s"
+                splits = f", {row['splits']} splits" if row.get("splits") else ""
                 rows.append(f"| attention sweep | {row['batch']}: {tiles['block_m']} x {tiles['tile_n']} tiles, "
-                            f"{tiles['num_warps']} warps, {tiles['num_stages']} stages | "
+                            f"{tiles['num_warps']} warps, {tiles['num_stages']} stages{splits} | "
                             f"{1000 * row['ms']:.1f} us, {row[unit]:.2f} {unit} |")
+        elif record["benchmark"] == "gemm_shapes":
+            steps: dict[tuple[str, int], list[dict]] = {}
+            for row in record["rows"]:
+                steps.setdefault((row["blas"], row["batch"]), []).append(row)
+            for (blas, batch), matmuls in steps.items():
+                each = ", ".join(f"{m['matmul']} {m['us']:.1f} us ({m['weight_TB/s']:.2f} TB/s)" for m in matmuls)
+                total = sum(m["us"] * m["per_step"] for m in matmuls)
+                rows.append(f"| gemm shapes | {blas}, batch {batch} | {total:,.0f} us per step: {each} |")
         elif record["benchmark"] == "latency":
             for row in record["rows"]:
                 rows.append(f"| latency | batch {row['batch_size']}, prompt {record['prompt_len']}, "

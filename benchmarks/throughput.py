@@ -100,8 +100,10 @@ def triton_compilations() -> int:
 
     from micro_vllm.attention.operators import triton_attn
     from micro_vllm.layers import triton_ops
+    from micro_vllm.sampling import triton_sampler
 
-    kernels = [v for module in (triton_attn, triton_ops) for v in vars(module).values() if isinstance(v, JITFunction)]
+    modules = (triton_attn, triton_ops, triton_sampler)
+    kernels = [v for module in modules for v in vars(module).values() if isinstance(v, JITFunction)]
     return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
 
 
@@ -124,12 +126,15 @@ def profile_decode_steps(llm: LLM, prompts, temperature: float, skip_steps: int 
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
-def disable_fused_ops() -> None:
-    """Make the layers take their PyTorch path on CUDA too: the 'before' of the fused kernels,
-    measured in the same run as the 'after'."""
-    from micro_vllm.layers import fused
+def disable_fused(layers: bool, sampler: bool) -> None:
+    """Make the layers and/or the sampler take their PyTorch path on CUDA too: the 'before' of the
+    Triton kernels that replace it, measured in the same run as the 'after'."""
+    from micro_vllm import fused
 
-    fused.triton_ops = None
+    if layers:
+        fused.triton_ops = None
+    if sampler:
+        fused.triton_sampler = None
 
 
 def run_transformers(model_dir, prompts, max_new_tokens: int, temperature: float) -> tuple[int, float]:
@@ -170,12 +175,12 @@ def main() -> None:
     parser.add_argument("--compare-hf", type=int, default=0, metavar="N", help="also run transformers on N requests")
     parser.add_argument("--hf-max-tokens", type=int, default=128, help="output tokens per request in the comparison")
     parser.add_argument("--no-fused-ops", action="store_true", help="run the layers' PyTorch path (for before/after)")
+    parser.add_argument("--no-fused-sampler", action="store_true", help="run the PyTorch sampler (for before/after)")
     parser.add_argument("--profile", action="store_true", help="print a kernel profile of a few decode steps")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     args = parser.parse_args()
 
-    if args.no_fused_ops:
-        disable_fused_ops()
+    disable_fused(args.no_fused_ops, args.no_fused_sampler)
     model_dir = args.model or str(build_random_model())
     prompts, max_tokens = recipe_requests(args.num_requests)
     engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command a developer sends to the GPU machine: GPU tests, then the benchmarks.
-#   bash scripts/gpu_check.sh [tests] [throughput] [latency] [eager] [unfused] [sweep]   (default: all of them)
+#   bash scripts/gpu_check.sh [tests] [throughput] [latency] [eager] [unfused] [unfused-sampler] [sweep] [gemm]   (default: all of them)
 # Logs, results.jsonl and a Markdown results table (results.md) go under $OUT when it is set (the device
 # tool's output folder).
 set -uo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-stages=${*:-tests throughput latency eager unfused sweep}
+stages=${*:-tests throughput latency eager unfused unfused-sampler sweep gemm}
 status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -26,7 +26,9 @@ for stage in $stages; do
     latency) python3 benchmarks/latency.py --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/latency.log" || status=1 ;;
     eager) python3 benchmarks/throughput.py --enforce-eager --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/eager.log" || status=1 ;;
     unfused) python3 benchmarks/throughput.py --no-fused-ops --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/unfused.log" || status=1 ;;
+    unfused-sampler) python3 benchmarks/throughput.py --no-fused-sampler --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/unfused_sampler.log" || status=1 ;;
     sweep) python3 benchmarks/attention_sweep.py --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/sweep.log" || status=1 ;;
+    gemm) python3 benchmarks/gemm_shapes.py --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/gemm.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
