@@ -2,10 +2,11 @@
 
     python benchmarks/attention_sweep.py [--json results.jsonl]
 
-Decode batches of 256, 128 and 64 requests (one query each; the recipe's full batch with contexts
-of 100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer), each
-under every tile shape and split count (flash-decoding programs per request and KV head), and a
-prefill step (16 prompts of 1,024 tokens beside 64 decodes). Qwen3-0.6B's
+Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
+100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer): the full
+batch under every tile shape, and each batch under every split count (flash-decoding programs per
+request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of 1,024
+tokens beside 64 decodes) under every prefill tile shape. Qwen3-0.6B's
 attention: 16 query heads, 8 KV heads of 128, bf16, pages of 16 tokens in random order. Each tile
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed with
 ``triton.testing.do_bench`` (median); decode reports K/V read in TB/s, prefill TFLOP/s.
@@ -28,7 +29,7 @@ DECODE_TILES = [Tiles(16, 128, 4, 3, True), Tiles(16, 64, 4, 3, True), Tiles(16,
                 Tiles(16, 64, 8, 3, True), Tiles(16, 32, 4, 4, True)]
 PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 64, 8, 2, False),
                  Tiles(128, 64, 8, 2, False), Tiles(64, 64, 4, 3, False)]
-SPLITS = [1, 2, 4]
+SPLITS = [None, 1, 2, 4, 8, 16]
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
 
@@ -101,11 +102,15 @@ def main() -> None:
     rng = random.Random(0)
 
     rows = []
-    for num_reqs, shortest in ((256, 100), (128, 500), (64, 800)):
+    for num_reqs, shortest in ((256, 100), (128, 500), (64, 800), (32, 800), (16, 800), (8, 800)):
         contexts = [rng.randint(shortest, 2047) for _ in range(num_reqs)]
         decode = make_step([1] * num_reqs, contexts, "cuda")
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
-        rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES, kv_bytes, "TB/s", SPLITS)
+        # Tile shapes on the full batch (where more than 2 splits only lost); split counts (None: the
+        # backend's own) on every batch.
+        full = num_reqs == 256
+        rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES if full else DECODE_TILES[:1], kv_bytes, "TB/s",
+                      SPLITS[:3] if full else SPLITS)
 
     query_lens = [1024] * 16 + [1] * 64
     context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]

@@ -28,7 +28,8 @@ def results_table(lines: list[str]) -> str:
         elif record["benchmark"] == "attention_sweep":
             for row in record["rows"]:
                 tiles, unit = row["tiles"], "TB/s" if "TB/s" in row else "TFLOP/s"
-                splits = f", {row['splits']} splits" if row.get("splits") else ""
+                splits = row.get("splits") or ("auto" if row["batch"].startswith("decode") else None)
+                splits = f", {splits} splits" if splits else ""
                 rows.append(f"| attention sweep | {row['batch']}: {tiles['block_m']} x {tiles['tile_n']} tiles, "
                             f"{tiles['num_warps']} warps, {tiles['num_stages']} stages{splits} | "
                             f"{1000 * row['ms']:.1f} us, {row[unit]:.2f} {unit} |")

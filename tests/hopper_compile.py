@@ -130,9 +130,11 @@ def layer_launches(dtype: torch.dtype) -> None:
     qkv = torch.zeros(num_tokens, (heads + 2 * kv_heads) * head_size, dtype=dtype)
     q = qkv[:, : heads * head_size]
     k = qkv[:, heads * head_size : (heads + kv_heads) * head_size]
-    triton_ops.rms_norm(q.view(num_tokens, heads, head_size), torch.ones(head_size, dtype=dtype), 1e-6)  # q-norm
     cos_sin = torch.zeros(4096, head_size, dtype=torch.float32)
-    triton_ops.rotary_embedding(torch.zeros(num_tokens, dtype=torch.int64), q, k, cos_sin, head_size)
+    positions = torch.zeros(num_tokens, dtype=torch.int64)
+    triton_ops.rotary_embedding(positions, q, k, cos_sin, head_size)
+    head_norm = (torch.ones(head_size, dtype=dtype), 1e-6)
+    triton_ops.rotary_embedding(positions, q, k, cos_sin, head_size, (head_norm, head_norm))  # Qwen3's q/k norm
     triton_ops.silu_and_mul(torch.zeros(num_tokens, 2 * 3072, dtype=dtype))
 
 

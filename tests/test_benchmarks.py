@@ -67,7 +67,7 @@ def test_results_table_has_a_row_per_measurement():
     assert table[2] == "| throughput | --no-fused-ops | 14,279 output tok/s (133,966 tokens in 9.382 s, 1,033 steps) |"
     assert table[3].startswith("| transformers, 16 requests | same process | 140 output tok/s")
     assert table[4] == "| latency | batch 1, prompt 512, output 128 | TTFT 17.8 ms, TPOT 1.79 ms |"
-    assert table[5] == "| attention sweep | decode: 16 x 64 tiles, 8 warps, 3 stages | 200.0 us, 3.00 TB/s |"
+    assert table[5] == "| attention sweep | decode: 16 x 64 tiles, 8 warps, 3 stages, auto splits | 200.0 us, 3.00 TB/s |"
     assert table[6] == "| attention sweep | decode 64: 16 x 128 tiles, 4 warps, 3 stages, 2 splits | 100.0 us, 2.50 TB/s |"
     assert table[7] == ("| gemm shapes | cublas, batch 8 | 202 us per step: o_proj 4.0 us (1.05 TB/s), "
                         "lm_head 90.0 us (3.46 TB/s) |")

@@ -149,6 +149,20 @@ def test_rotary_embedding(dtype: torch.dtype, head_size: int, tokens: int, rope:
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
+@pytest.mark.parametrize("head_size, tokens", [(64, 9), (128, 33), (96, 4)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_with_qk_norm(dtype: torch.dtype, head_size: int, tokens: int) -> None:
+    """Qwen3's per-head q/k RMSNorm in the rotary launch, against the two PyTorch layers in a row."""
+    layer = RotaryEmbedding(head_size, MAX_POSITION, LLAMA3_ROPE)
+    q_norm, k_norm = random_norm(head_size, dtype), random_norm(head_size, dtype)
+    q, k = fused_qkv(tokens, 4, 2, head_size, dtype)
+    positions = torch.randint(0, MAX_POSITION, (tokens,))
+    norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
+    got = triton_ops.rotary_embedding(positions, q, k, layer.cos_sin_cache, head_size, norms)
+    for got_part, want_part in zip(got, layer(positions, q, k, q_norm, k_norm), strict=True):
+        assert_matches(got_part, want_part)
+
+
 def test_rotary_embedding_head_size_not_a_power_of_two() -> None:
     layer = RotaryEmbedding(96, MAX_POSITION, LLAMA3_ROPE)
     q, k = fused_qkv(5, 3, 1, 96, torch.bfloat16)
@@ -204,6 +218,7 @@ class TestCuda:
                 head_norm(q.unflatten(-1, (-1, self.HEAD_SIZE))),
                 *rope(positions, q, k),
                 SiluAndMul()(gate_up),
+                *rope(positions, q, k, head_norm, head_norm),
             ]
 
         fused = run()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from micro_vllm.fused import fused_ops
+from micro_vllm.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -80,10 +81,21 @@ class RotaryEmbedding(nn.Module):
         return cls(head_size, hf_config.max_position_embeddings, rope_parameters(hf_config))
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated copies of ``query`` and ``key``; with ``q_norm`` and ``k_norm`` (Qwen3), each head
+        is RMS-normalized first, in the same launch on CUDA."""
         if (ops := fused_ops(query)) is not None:
-            return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
+            norms = None if q_norm is None else ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
+            return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size, norms)
+        if q_norm is not None:
+            query = q_norm(query.unflatten(-1, (-1, self.head_size))).flatten(-2)
+            key = k_norm(key.unflatten(-1, (-1, self.head_size))).flatten(-2)
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -1,5 +1,5 @@
 """Fused Triton kernels for a decoder layer's elementwise work: RMSNorm (with the residual add),
-rotary embedding, and SiLU-and-mul, one launch each.
+rotary embedding (with Qwen3's per-head q/k RMSNorm before it), and SiLU-and-mul, one launch each.
 
 Why: in a 256-request decode step on an H200 the unfused PyTorch layers launch about 45 tiny
 elementwise and reduction kernels per decoder layer (more than 1,300 per step, about 30% of the
@@ -176,12 +176,17 @@ def _rotate_heads(
     dst_row,
     cos,
     sin,
+    norm_weight_ptr,
+    eps,
     NUM_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    MEAN_BY_DIVISION: tl.constexpr,
 ):
-    """Rotates all heads of one token: channel i pairs with channel i + HEAD_SIZE / 2."""
+    """Rotates all heads of one token: channel i pairs with channel i + HEAD_SIZE / 2. With
+    HAS_NORM, RMSNorm each head first (Qwen3's q/k norm), rounded as ``_rms_norm_kernel`` rounds."""
     half: tl.constexpr = HEAD_SIZE // 2
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -190,6 +195,17 @@ def _rotate_heads(
     dtype = dst_row.dtype.element_ty
     first = tl.load(src_row + offset, mask=mask, other=0.0).to(tl.float32)
     second = tl.load(src_row + offset + half, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        sum_sq = tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)
+        if MEAN_BY_DIVISION:
+            variance = sum_sq / HEAD_SIZE
+        else:
+            variance = sum_sq * (1.0 / HEAD_SIZE)
+        inv_rms = tl.math.rsqrt(variance + eps)[:, None]
+        weight_first = tl.load(norm_weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+        weight_second = tl.load(norm_weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+        first = _round(_round(first * inv_rms, dtype) * weight_first, dtype)
+        second = _round(_round(second * inv_rms, dtype) * weight_second, dtype)
     # Each product and each sum is its own rounded op in the PyTorch code.
     new_first = _round(_round(first * cos, dtype) - _round(second * sin, dtype), dtype)
     new_second = _round(_round(second * cos, dtype) + _round(first * sin, dtype), dtype)
@@ -205,6 +221,10 @@ def _rotary_kernel(
     key_ptr,
     positions_ptr,
     cos_sin_ptr,  # [max_position, HEAD_SIZE]: cos in the first half, sin in the second
+    q_norm_weight_ptr,  # [HEAD_SIZE] (only with HAS_NORM)
+    k_norm_weight_ptr,
+    q_eps,
+    k_eps,
     query_stride,
     key_stride,
     cos_sin_stride,
@@ -214,6 +234,8 @@ def _rotary_kernel(
     K_HEADS_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    MEAN_BY_DIVISION: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -227,12 +249,12 @@ def _rotary_kernel(
     _rotate_heads(
         query_ptr + token * query_stride,
         query_out_ptr + token * (NUM_Q_HEADS * HEAD_SIZE),
-        cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HEAD_SIZE, HALF_PAD,
+        cos, sin, q_norm_weight_ptr, q_eps, NUM_Q_HEADS, Q_HEADS_PAD, HEAD_SIZE, HALF_PAD, HAS_NORM, MEAN_BY_DIVISION,
     )
     _rotate_heads(
         key_ptr + token * key_stride,
         key_out_ptr + token * (NUM_K_HEADS * HEAD_SIZE),
-        cos, sin, NUM_K_HEADS, K_HEADS_PAD, HEAD_SIZE, HALF_PAD,
+        cos, sin, k_norm_weight_ptr, k_eps, NUM_K_HEADS, K_HEADS_PAD, HEAD_SIZE, HALF_PAD, HAS_NORM, MEAN_BY_DIVISION,
     )
 
 
@@ -242,14 +264,18 @@ def rotary_embedding(
     key: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     head_size: int,
+    norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates flat ``query`` [T, H * D] and ``key`` [T, Hkv * D] by their tokens' positions.
+    """Rotates flat ``query`` [T, H * D] and ``key`` [T, Hkv * D] by their tokens' positions; with
+    ``norms`` (the query's and the key's RMSNorm weight and eps), RMSNorm each head first.
 
     The inputs may be column slices of one fused qkv tensor (any row stride). Out of place, as the
     PyTorch path is, so the two paths have one contract: new contiguous tensors, inputs untouched.
     """
     if query.dtype != key.dtype:
         raise ValueError(f"query and key must share a dtype, got {query.dtype} and {key.dtype}")
+    if norms is not None and any(weight.dtype != query.dtype for (weight, _) in norms):
+        raise ValueError(f"the q/k norm weights must have the query's dtype {query.dtype}")
     if query.stride(-1) != 1:
         query = query.contiguous()
     if key.stride(-1) != 1:
@@ -259,6 +285,7 @@ def rotary_embedding(
     num_q_heads, num_k_heads = query.shape[1] // head_size, key.shape[1] // head_size
     query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    (q_weight, q_eps), (k_weight, k_eps) = norms or ((query, 0.0), (key, 0.0))  # unread without norms
     if num_tokens > 0:
         q_heads_pad, half_pad = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(head_size // 2)
         _rotary_kernel[(num_tokens,)](
@@ -268,6 +295,10 @@ def rotary_embedding(
             key,
             positions,
             cos_sin_cache,
+            q_weight,
+            k_weight,
+            q_eps,
+            k_eps,
             query.stride(0),
             key.stride(0),
             cos_sin_cache.stride(0),
@@ -277,6 +308,8 @@ def rotary_embedding(
             K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
             HEAD_SIZE=head_size,
             HALF_PAD=half_pad,
+            HAS_NORM=norms is not None,
+            MEAN_BY_DIVISION=query.device.type == "cpu",
             num_warps=_num_warps(q_heads_pad * half_pad),
             enable_fp_fusion=False,
         )

@@ -68,14 +68,8 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            q = self._norm_heads(self.q_norm, q)
-            k = self._norm_heads(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v, metadata))
-
-    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return norm(x.unflatten(-1, (-1, self.head_size))).flatten(-2)
 
 
 class LlamaDecoderLayer(nn.Module):
