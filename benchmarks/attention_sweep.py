@@ -8,8 +8,10 @@ batch under every tile shape, and each batch under every split count (flash-deco
 request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of 1,024
 tokens beside 64 decodes) under every prefill tile shape. Qwen3-0.6B's
 attention: 16 query heads, 8 KV heads of 128, bf16, pages of 16 tokens in random order. Each tile
-shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed with
-``triton.testing.do_bench`` (median); decode reports K/V read in TB/s, prefill TFLOP/s.
+shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
+CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as the engine runs decodes: timed
+as eager calls, batches of 64 requests or fewer measured the host's launch overhead (2026-11-29).
+Decode reports K/V read in TB/s, prefill TFLOP/s.
 ``tests/hopper_compile.py`` reports each shape's registers and spills without a GPU.
 """
 
@@ -78,14 +80,14 @@ def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Te
 def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split_list=(None,)) -> list[dict]:
     """Check and time each tile shape and split count; ``work`` is what one call does (bytes or
     FLOPs), reported per second in units of 10^12 (``unit``)."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph
 
     expected = attend(step, None).float()
     rows = []
     for tiles in tile_list:
         for num_splits in split_list:
             error = (attend(step, tiles, num_splits).float() - expected).abs().max().item()
-            ms = do_bench(lambda: attend(step, tiles, num_splits), warmup=25, rep=200, return_mode="median")
+            ms = do_bench_cudagraph(lambda: attend(step, tiles, num_splits), rep=200, return_mode="median")
             rate = work / (ms * 1e-3) / 1e12
             rows.append({"batch": name, "tiles": tiles._asdict(), "splits": num_splits, "ms": ms, unit: rate,
                          "max_abs_diff": error})

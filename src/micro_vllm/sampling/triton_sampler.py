@@ -28,8 +28,9 @@ _BLOCK = 2048  # tokens per loop iteration of a program
 
 
 @triton.jit
-def _best_of_block(best, best_index, logits_row, start, u, vocab_size, temperature, greedy, SIZE: tl.constexpr):
-    """Fold the block of ``SIZE`` tokens from ``start`` (noise ``u``) into the running best."""
+def _fold_block(best, best_index, logits_row, start, u, vocab_size, temperature, greedy, SIZE: tl.constexpr):
+    """Fold the ``SIZE`` tokens from ``start`` (noise ``u``) into the per-lane running best: no
+    reduction across lanes here, so no barrier per block."""
     cols = start + tl.arange(0, SIZE)
     valid = cols < vocab_size
     x = tl.load(logits_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
@@ -37,11 +38,8 @@ def _best_of_block(best, best_index, logits_row, start, u, vocab_size, temperatu
         score = x
     else:
         score = tl.div_rn(x, temperature) - tl.log(-tl.log(u))
-    score = tl.where(valid, score, float("-inf"))
-    block_best = tl.max(score, 0)
-    better = block_best > best  # strict: an earlier block wins a tie, as torch.argmax does
-    best_index = tl.where(better, tl.argmax(score, 0) + start, best_index)
-    return tl.maximum(best, block_best), best_index
+    better = valid & (score > best)  # strict: a lane keeps its earliest token on a tie
+    return tl.where(better, score, best), tl.where(better, cols, best_index)
 
 
 @triton.jit
@@ -54,23 +52,28 @@ def _gumbel_argmax_kernel(best_ptr, best_index_ptr, logits_ptr, logits_stride, t
     greedy = temperature == 0
     temperature = tl.where(greedy, 1.0, temperature)
     logits_row = logits_ptr + row * logits_stride
-    best = tl.full([], float("-inf"), tl.float32)
-    best_index = tl.zeros([], dtype=tl.int32)
     QUARTER: tl.constexpr = BLOCK // 4
-    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab_size), BLOCK):
+    first = chunk * CHUNK
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_index = tl.zeros([QUARTER], dtype=tl.int32) + first
+    for start in range(first, tl.minimum(first + CHUNK, vocab_size), BLOCK):
         # One Philox call yields four numbers: counter start / 4 + j feeds token start + j of
         # each quarter of the block (a quarter of the generator's work of one call per token).
+        # Quarters go in token order, so each lane sees its tokens in increasing order.
         u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + tl.arange(0, QUARTER))
-        best, best_index = _best_of_block(best, best_index, logits_row, start, u0, vocab_size, temperature,
-                                          greedy, QUARTER)
-        best, best_index = _best_of_block(best, best_index, logits_row, start + QUARTER, u1, vocab_size,
-                                          temperature, greedy, QUARTER)
-        best, best_index = _best_of_block(best, best_index, logits_row, start + 2 * QUARTER, u2, vocab_size,
-                                          temperature, greedy, QUARTER)
-        best, best_index = _best_of_block(best, best_index, logits_row, start + 3 * QUARTER, u3, vocab_size,
-                                          temperature, greedy, QUARTER)
-    tl.store(best_ptr + row * num_chunks + chunk, best)
-    tl.store(best_index_ptr + row * num_chunks + chunk, best_index)
+        best, best_index = _fold_block(best, best_index, logits_row, start, u0, vocab_size, temperature, greedy,
+                                       QUARTER)
+        best, best_index = _fold_block(best, best_index, logits_row, start + QUARTER, u1, vocab_size, temperature,
+                                       greedy, QUARTER)
+        best, best_index = _fold_block(best, best_index, logits_row, start + 2 * QUARTER, u2, vocab_size,
+                                       temperature, greedy, QUARTER)
+        best, best_index = _fold_block(best, best_index, logits_row, start + 3 * QUARTER, u3, vocab_size,
+                                       temperature, greedy, QUARTER)
+    chunk_best = tl.max(best, 0)
+    # The lowest token among the lanes that reach the maximum, as torch.argmax breaks ties.
+    chunk_index = tl.min(tl.where(best == chunk_best, best_index, vocab_size), 0)
+    tl.store(best_ptr + row * num_chunks + chunk, chunk_best)
+    tl.store(best_index_ptr + row * num_chunks + chunk, chunk_index)
 
 
 if type(_gumbel_argmax_kernel).__name__ == "InterpretedFunction":  # TRITON_INTERPRET=1: tests on CPU

@@ -338,10 +338,12 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
-    # Aim at about eight programs per SM. On the H200 (benchmarks/attention_sweep.py, contexts of
-    # 500 to 2,047 tokens; docs/benchmarks.md) 64 requests x 8 KV heads ran 5% faster in 2 splits
-    # than in 1 or 4; 128 requests were as fast in 1 as in 2, 256 slower in more than 1.
-    per_pair = 8 * _num_sms(device) // (num_reqs * num_kv_heads)
+    # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 68 KiB of
+    # pipelined K/V tiles in shared memory, by tests/hopper_compile.py); with more (request, KV head)
+    # pairs than that, splitting only adds the merge. On the H200 eight per SM was slower at 8
+    # requests (20.0 against 15.2 us per layer, docs/benchmarks.md); at 256 and 128 requests
+    # splitting never paid (benchmarks/attention_sweep.py).
+    per_pair = 2 * _num_sms(device) // (num_reqs * num_kv_heads)
     if per_pair < 2:
         return 1
     return min(_MAX_SPLITS, 1 << (per_pair.bit_length() - 1))  # a power of two: fewer compiled variants
