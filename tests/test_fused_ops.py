@@ -68,6 +68,21 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     assert off <= 2 + want.numel() // 1000, f"{off} of {want.numel()} elements differ"
 
 
+def assert_rotation_matches(got: torch.Tensor, want: torch.Tensor, rotated: torch.Tensor, head_size: int) -> None:
+    """RoPE after a per-head norm: an ulp of a normalized input (the norm's allowance) shifts an
+    output by about an ulp of the inputs it mixes, |x_i| + |x_(i + half)|, which is much more than
+    an ulp of the output where the two terms cancel. ``rotated`` is the normalized input, flat."""
+    if want.dtype == torch.float32:  # no rounding to a low precision: assert_matches' fp32 bound holds
+        assert_matches(got, want)
+        return
+    heads = rotated.float().unflatten(-1, (-1, head_size))
+    first, second = heads.abs().chunk(2, dim=-1)
+    scale = (first + second).repeat(1, 1, 2).flatten(-2)  # output i and i + half mix the same pair
+    assert ((got.float() - want.float()).abs() <= 2 * torch.finfo(want.dtype).eps * scale).all()
+    off = int((got != want).sum())
+    assert off <= 2 + want.numel() // 1000, f"{off} of {want.numel()} elements differ"
+
+
 def random_norm(hidden: int, dtype: torch.dtype, device: str = "cpu") -> RMSNorm:
     layer = RMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
     layer.weight.data.uniform_(0.5, 1.5)
@@ -159,8 +174,9 @@ def test_rotary_embedding_with_qk_norm(dtype: torch.dtype, head_size: int, token
     positions = torch.randint(0, MAX_POSITION, (tokens,))
     norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
     got = triton_ops.rotary_embedding(positions, q, k, layer.cos_sin_cache, head_size, norms)
-    for got_part, want_part in zip(got, layer(positions, q, k, q_norm, k_norm), strict=True):
-        assert_matches(got_part, want_part)
+    normalized = [norm(x.unflatten(-1, (-1, head_size))).flatten(-2) for norm, x in ((q_norm, q), (k_norm, k))]
+    for got_part, want_part, rotated in zip(got, layer(positions, q, k, q_norm, k_norm), normalized, strict=True):
+        assert_rotation_matches(got_part, want_part, rotated, head_size)
 
 
 def test_rotary_embedding_head_size_not_a_power_of_two() -> None:
@@ -228,6 +244,10 @@ class TestCuda:
         for index, (got, want) in enumerate(zip(fused, eager, strict=True)):
             if index in (2, 4, 5):  # the residual sum and rotary embedding: bit-exact
                 assert torch.equal(got, want)
+            elif index in (7, 8):  # rotary embedding after the q/k norm
+                flat = q if index == 7 else k
+                normalized = head_norm(flat.unflatten(-1, (-1, self.HEAD_SIZE))).flatten(-2)
+                assert_rotation_matches(got, want, normalized, self.HEAD_SIZE)
             else:
                 assert_matches(got, want)
 
