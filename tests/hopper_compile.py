@@ -22,7 +22,8 @@ assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET: ke
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -36,39 +37,33 @@ MAX_SHARED_MEMORY = 232_448  # bytes a block may use on sm_90 (227 KiB)
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 # Constexprs the wrappers derive from the tensors' device: the values a CUDA launch passes.
 ON_CUDA = {"MEAN_BY_DIVISION": False}
-POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-                 torch.int32: "*i32", torch.int64: "*i64"}
 compiled: set[tuple] = set()
 
 
-def _scalar_type(value) -> str:
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {value!r}")
-
-
 def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict) -> None:
-    names = [p.name for p in kernel.params]
-    constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
-    bound = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k not in OPTIONS})
-    signature, constexprs = {}, {}
-    for name in names:
-        value = bound[name]
-        if name in constexpr_names:
-            signature[name], constexprs[name] = "constexpr", ON_CUDA.get(name, value)
-        elif isinstance(value, torch.Tensor):
-            signature[name] = POINTER_TYPES[value.dtype]
-        else:
-            signature[name] = _scalar_type(value)
+    """Compile one launch as ``kernel[grid](*args, **kwargs)`` would on the GPU, with the same
+    specialisation of the arguments: an int equal to 1 becomes a constant, ints that are multiples
+    of 16 and 16-byte aligned pointers are marked divisible by 16 (what lets Triton vectorise loads)."""
+    bound = dict(zip(kernel.arg_names, args), **{k: v for k, v in kwargs.items() if k not in OPTIONS})
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", ON_CUDA.get(param.name, value)
+            continue
+        kind, attr = native_specialize_impl(BaseBackend, value, param.is_const, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[param.name] = attr
+        elif attr:
+            attrs[(index,)] = BaseBackend.parse_attr(attr)
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-    key = (kernel.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+    key = (kernel.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), str(attrs),
+           tuple(sorted(options.items())))
     if key in compiled:
         return
-    binary = triton.compile(ASTSource(kernel, signature, constexprs), target=H200, options=options)
+    binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H200, options=options)
     shared = binary.metadata.shared
     if shared > MAX_SHARED_MEMORY:
         raise RuntimeError(f"{kernel.__name__} {constexprs} needs {shared} bytes of shared memory; sm_90 has {MAX_SHARED_MEMORY}")

@@ -338,7 +338,7 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
-    # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 68 KiB of
+    # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of
     # pipelined K/V tiles in shared memory, by tests/hopper_compile.py); with more (request, KV head)
     # pairs than that, splitting only adds the merge. On the H200 eight per SM was slower at 8
     # requests (20.0 against 15.2 us per layer, docs/benchmarks.md); at 256 and 128 requests
