@@ -107,14 +107,16 @@ def triton_compilations() -> int:
     return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
 
 
-def profile_decode_steps(llm: LLM, prompts, temperature: float, skip_steps: int = 40, steps: int = 10) -> str:
-    """Profile a few steps after the prompts are in (all decodes) and return the kernel table."""
+def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps: int) -> str:
+    """Profile ``steps`` engine steps after the first ``skip_steps`` of a run of ``prompts`` and
+    return the kernel table: with 40 skipped, decodes; with 1 skipped, prefill steps of the recipe."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     engine = llm.engine
     step = engine.step
+    warmup = min(skip_steps, 2)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 schedule=schedule(wait=skip_steps, warmup=2, active=steps)) as prof:
+                 schedule=schedule(wait=skip_steps - warmup, warmup=warmup, active=steps)) as prof:
         def profiled_step():
             result = step()
             prof.step()
@@ -207,10 +209,12 @@ def main() -> None:
         for kind, row in by_kind.items():
             mean = 1e3 * row["seconds"] / row["steps"] if row["steps"] else 0.0
             print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step")
-    if args.profile:  # the full batch, and the long tail's few requests
+    if args.profile:  # prefill steps, the full batch's decodes, and the long tail's few requests
+        print("kernel profile, the recipe's 2nd and 3rd steps (prefill chunks of the 16,384-token budget):")
+        print(profile_steps(llm, prompts, args.temperature, skip_steps=1, steps=2))
         for n in (len(prompts), 8):
             print(f"kernel profile, steps of {n} decodes:")
-            print(profile_decode_steps(llm, prompts[:n], args.temperature))
+            print(profile_steps(llm, prompts[:n], args.temperature, skip_steps=40, steps=10))
 
     if args.compare_hf:
         n, budget = args.compare_hf, args.hf_max_tokens

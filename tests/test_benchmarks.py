@@ -43,6 +43,26 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     assert DeviceStepOutput.get_output.__qualname__ == "DeviceStepOutput.get_output"
 
 
+def test_profile_steps_profiles_the_window_it_is_asked_for(tmp_path):
+    """Skipping one step of a run whose budget chunks the prompts profiles prefill steps (the
+    step stats tell them apart), and the engine's step is unwrapped after."""
+    llm = LLM(model=str(make_tiny_model("qwen3", tmp_path)), device="cpu", max_model_len=128,
+              max_num_batched_tokens=32, max_num_seqs=8)
+    prefill_tokens = []
+    step = llm.engine.step
+
+    def counting_step():
+        result = step()
+        prefill_tokens.append(llm.engine.last_step_stats.num_prefill_tokens)
+        return result
+
+    llm.engine.step = counting_step
+    table = throughput.profile_steps(llm, [[5 + i] * 20 for i in range(8)], 0.6, skip_steps=1, steps=2)
+    assert "aten::" in table  # operators were recorded
+    assert all(n > 0 for n in prefill_tokens[1:3])  # the profiled steps 2 and 3 prefill
+    assert "step" not in vars(llm.engine)
+
+
 def test_results_table_has_a_row_per_measurement():
     import json
 
