@@ -4,8 +4,8 @@ Run as a script, with TRITON_INTERPRET unset. The real launch wrappers (``triton
 ``triton_ops``) are called on CPU tensors shaped like the benchmark model's (Qwen3-0.6B: 16 query
 heads, 8 KV heads of 128) and like a sliding-window model, in bf16 (and fp32 for attention). Each kernel launch is
 caught instead of run, and its arguments become an ahead-of-time compile with Triton's own ptxas:
-what the interpreter accepts but the GPU compiler rejects, or a tile that needs more shared memory
-than an H200 block has, fails here, not on the GPU machine.
+what the interpreter accepts but the GPU compiler rejects, a tile that needs more shared memory than
+an H200 block has, or a bf16/fp16 kernel that spills registers, fails here, not on the GPU machine.
 Prints one line per compiled variant (shared memory, registers, stack frame); exits non-zero on the
 first failure.
 """
@@ -13,6 +13,7 @@ first failure.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from micro_vllm.sampling import triton_sampler  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 MAX_SHARED_MEMORY = 232_448  # bytes a block may use on sm_90 (227 KiB)
+MAX_STACK_BYTES = 64  # a few bytes of stack frame are not spills (the decode kernel has 8)
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 # Constexprs the wrappers derive from the tensors' device: the values a CUDA launch passes.
 ON_CUDA = {"MEAN_BY_DIVISION": False}
@@ -67,9 +69,15 @@ def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict) -> None:
     shared = binary.metadata.shared
     if shared > MAX_SHARED_MEMORY:
         raise RuntimeError(f"{kernel.__name__} {constexprs} needs {shared} bytes of shared memory; sm_90 has {MAX_SHARED_MEMORY}")
+    usage = resource_usage(binary)
+    # Spills are invisible on CPU and slow on the GPU: bf16/fp16 kernels must not spill (fp32
+    # variants, which only the GPU correctness tests run, may).
+    stack = re.search(r"STACK:(\d+)", usage)
+    low_precision = any(kind in ("*bf16", "*fp16") for kind in signature.values())
+    if low_precision and stack and int(stack.group(1)) > MAX_STACK_BYTES:
+        raise RuntimeError(f"{kernel.__name__} {constexprs} spills: {usage}")
     compiled.add(key)
-    print(f"ok {kernel.__name__} {constexprs} {options}: {shared} bytes of shared memory, {resource_usage(binary)}",
-          flush=True)
+    print(f"ok {kernel.__name__} {constexprs} {options}: {shared} bytes of shared memory, {usage}", flush=True)
 
 
 def resource_usage(binary) -> str:
