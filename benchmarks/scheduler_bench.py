@@ -81,7 +81,7 @@ def run_once(workload: list[tuple[list[int], int]], enable_caching: bool) -> Ste
         scheduled = clock()
         output = fake_runner(plan, scheduler, next_token=step % 10000)
         ready = clock()
-        scheduler.update_from_output(plan, output)
+        scheduler.update_from_output(output)
         done = clock()
         times.schedule_ns.append(scheduled - start)
         times.update_ns.append(done - ready)

@@ -67,7 +67,7 @@ def run_to_completion(scheduler: Scheduler, max_steps=10_000, check=None) -> lis
         if not scheduler.has_unfinished_requests():
             return finished
         plan = scheduler.schedule()
-        finished += scheduler.update_from_output(plan, fake_output(plan, scheduler))
+        finished += scheduler.update_from_output(fake_output(plan, scheduler))
         if check is not None:
             check(scheduler, plan)
     raise AssertionError("requests did not finish: the scheduler made no progress")
@@ -192,7 +192,7 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler, vocab_size: int = 5, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.async_scheduling = async_scheduling
-        self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+        self.in_flight: list[ModelRunnerOutput] = []
         self.vocab_size = vocab_size
         kv = scheduler.kv_cache_manager
         self.block_size = kv.block_size
@@ -227,11 +227,11 @@ class FakeRunner:
         plan = self.scheduler.schedule()
         output = self.execute(plan)
         if not plan.is_empty:
-            self.in_flight.append((plan, output))
+            self.in_flight.append(output)
         finished = []
         depth = 2 if self.async_scheduling else 1
         if self.in_flight and (len(self.in_flight) >= depth or plan.is_empty):
-            finished = self.scheduler.update_from_output(*self.in_flight.pop(0))
+            finished = self.scheduler.update_from_output(self.in_flight.pop(0))
         check_invariants(self.scheduler)
         return finished
 

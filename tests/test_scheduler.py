@@ -17,7 +17,7 @@ def test_chunked_prefill_respects_token_budget():
         plan = scheduler.schedule()
         chunks.append(plan.num_scheduled_tokens[request.request_id])
         assert plan.total_num_scheduled_tokens <= 8
-        scheduler.update_from_output(plan, fake_output(plan, scheduler))
+        scheduler.update_from_output(fake_output(plan, scheduler))
     assert chunks == [8, 8, 4]
     assert request.num_computed_tokens == 20 and request.num_tokens == 21
 
@@ -27,7 +27,7 @@ def test_decodes_and_prefill_chunks_share_a_step():
     first = make_request(6, max_tokens=5)
     scheduler.add_request(first)
     plan = scheduler.schedule()
-    scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    scheduler.update_from_output(fake_output(plan, scheduler))
     second = make_request(30, max_tokens=5)
     scheduler.add_request(second)
     plan = scheduler.schedule()
@@ -43,7 +43,7 @@ def test_max_num_seqs_limits_running_requests():
         scheduler.add_request(r)
     plan = scheduler.schedule()
     assert list(plan.num_scheduled_tokens) == [requests[0].request_id, requests[1].request_id]
-    scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    scheduler.update_from_output(fake_output(plan, scheduler))
     finished = run_to_completion(scheduler, check=lambda s, p: len(s.running) <= 2)
     assert {r.request_id for r in finished} >= {r.request_id for r in requests[2:]}
 
@@ -81,7 +81,7 @@ def test_stop_conditions():
     plan = scheduler.schedule()
     outputs = {eos.request_id: [0], capped.request_id: [3], stop.request_id: [5]}
     from micro_vllm.outputs import ModelRunnerOutput
-    finished = scheduler.update_from_output(plan, ModelRunnerOutput(list(outputs), list(outputs.values())))
+    finished = scheduler.update_from_output(ModelRunnerOutput(list(outputs), list(outputs.values())))
     assert {r.request_id: r.finish_reason for r in finished} == {eos.request_id: "stop", stop.request_id: "stop"}
     run_to_completion(scheduler)
     assert capped.finish_reason == "length" and capped.num_tokens == 12
@@ -121,12 +121,12 @@ def test_abort_frees_blocks_and_leaves_others():
     scheduler.add_request(a)
     scheduler.add_request(b)
     plan = scheduler.schedule()
-    scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    scheduler.update_from_output(fake_output(plan, scheduler))
     scheduler.finish_requests([a.request_id], RequestStatus.FINISHED_ABORTED)
     assert a.finish_reason == "abort"
     plan = scheduler.schedule()
     assert plan.finished_req_ids == {a.request_id}
-    scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    scheduler.update_from_output(fake_output(plan, scheduler))
     run_to_completion(scheduler)
     assert b.num_output_tokens == 5
     kv = scheduler.kv_cache_manager
@@ -135,7 +135,7 @@ def test_abort_frees_blocks_and_leaves_others():
 
 def step(scheduler):
     plan = scheduler.schedule()
-    scheduler.update_from_output(plan, fake_output(plan, scheduler))
+    scheduler.update_from_output(fake_output(plan, scheduler))
     check_invariants(scheduler)
     return plan
 
@@ -251,7 +251,7 @@ def test_async_scheduling_plans_ahead_and_drops_the_token_after_a_stop():
     assert capped.num_output_placeholders == 2
 
     def returns(plan, tokens):
-        return scheduler.update_from_output(plan, ModelRunnerOutput(list(tokens), [[t] for t in tokens.values()]))
+        return scheduler.update_from_output(ModelRunnerOutput(list(tokens), [[t] for t in tokens.values()]))
 
     assert returns(first, {capped.request_id: 3, stopping.request_id: 5}) == [stopping]
     third = scheduler.schedule()

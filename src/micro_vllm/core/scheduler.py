@@ -145,7 +145,7 @@ class Scheduler:
             )
             step.add(request, num_new)
 
-    def update_from_output(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
+    def update_from_output(self, output: ModelRunnerOutput) -> list[Request]:
         """Append the step's sampled tokens and check stops; return the requests that finished.
 
         With async scheduling a later step may already be planned: a request that stops here was

@@ -63,7 +63,7 @@ class Engine:
             groups, self.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
-        self.in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
+        self.in_flight: deque[AsyncModelRunnerOutput] = deque()
         self.prompts: dict[str, str | None] = {}
         self.last_step_stats = StepStats(0, 0)
         self.tracer: Tracer | None = None
@@ -133,13 +133,12 @@ class Engine:
         return plan
 
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        self.in_flight.append((plan, self.executor.execute_model(plan)))
+        self.in_flight.append(self.executor.execute_model(plan))
         # Async: the step just launched stays in flight unless it is empty or nothing is left to wait for.
         keep = 1 if self.config.scheduler_config.async_scheduling and not plan.is_empty else 0
         finished = []
         while self.in_flight and (len(self.in_flight) > keep or not self.scheduler.has_unfinished_requests()):
-            done_plan, output = self.in_flight.popleft()
-            finished += self.scheduler.update_from_output(done_plan, output.get_output())
+            finished += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
         return [self._make_output(r) for r in finished]
 
     def _traced_step(self, tracer: Tracer) -> list[RequestOutput]:
