@@ -472,14 +472,15 @@ class ModelRunner:
         positions = torch.cat([torch.arange(int(n)) for n in query_lens]).to(self.device)
         hidden = self.model(input_ids, positions, [metadata] * len(self.model.attention_layers()))
         logits = self.model.compute_logits(hidden[query_start_loc[1:].to(self.device).long() - 1])
-        # The sort behind top-k / top-p is the sampler's largest buffer; a fresh Sampler keeps the
-        # engine's random stream untouched.
+        # Both routes a sampling batch can take, as the runner's metadata sends it: with top-k / top-p
+        # (the sort is the sampler's largest buffer) and without, so the sampler kernel's variants
+        # (model-dtype and fp32 logits) compile here. A fresh Sampler keeps the engine's stream untouched.
         temperature = torch.ones(num_reqs, device=self.device)
         top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=self.device)
         top_p = torch.full((num_reqs,), 0.9, device=self.device)
-        Sampler()(logits, SamplingMetadata(temperature, top_k, top_p, all_greedy=False, all_random=True))
-        if (kernel := fused_sampler(self.device)) is not None:  # compiled here, not while serving
-            kernel.gumbel_sample(logits, temperature, torch.zeros(num_reqs, dtype=torch.int64, device=self.device))
+        seeds = torch.zeros(num_reqs, dtype=torch.int64, device=self.device) if fused_sampler(self.device) else None
+        for filters in ((top_k, top_p), (None, None)):
+            Sampler()(logits, SamplingMetadata(temperature, *filters, all_greedy=False, all_random=True, seeds=seeds))
 
 
 def profile_query_lens(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> np.ndarray:
