@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from micro_vllm.triton_interpreter import interpreted
+
 
 @triton.jit
 def _round(x, DTYPE: tl.constexpr):
@@ -59,7 +61,7 @@ def _exp(x):
 
 
 # Read by the jitted helpers above when they are compiled or interpreted, so defined after them.
-_INTERPRETED = tl.constexpr(type(_round).__name__ == "InterpretedFunction")
+_INTERPRETED = tl.constexpr(interpreted(_round))
 
 
 # --- RMSNorm ----------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from micro_vllm.attention.operators.triton_interpreter import patch_triton_interpreter
+from micro_vllm.triton_interpreter import interpreted, patch_triton_interpreter
 
 _CHUNK = 8192  # tokens per program: 19 chunks for Qwen3's 151,936-token vocabulary
 _BLOCK = 2048  # tokens per loop iteration of a program
@@ -76,7 +76,7 @@ def _gumbel_argmax_kernel(best_ptr, best_index_ptr, logits_ptr, logits_stride, t
     tl.store(best_index_ptr + row * num_chunks + chunk, chunk_index)
 
 
-if type(_gumbel_argmax_kernel).__name__ == "InterpretedFunction":  # TRITON_INTERPRET=1: tests on CPU
+if interpreted(_gumbel_argmax_kernel):  # TRITON_INTERPRET=1: tests on CPU
     patch_triton_interpreter()
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from micro_vllm.attention.attention import AttentionMetadata
 from micro_vllm.attention.operators.registry import AttentionBackend, register_backend
-from micro_vllm.attention.operators.triton_interpreter import patch_triton_interpreter
+from micro_vllm.triton_interpreter import interpreted, patch_triton_interpreter
 
 # Flash-decoding mode: at most this many splits per (request, KV head), each of at least this
 # many keys (below that, the merge costs more than the extra parallelism brings).
@@ -307,8 +307,7 @@ def _merge_splits_kernel(
 
 
 def _interpreting() -> bool:
-    # triton.jit picks the interpreter when the kernel is defined, so ask the kernel, not the env.
-    return type(_attention_kernel).__name__ == "InterpretedFunction"
+    return interpreted(_attention_kernel)
 
 
 if _interpreting():
@@ -338,11 +337,11 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
-    # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of
-    # pipelined K/V tiles in shared memory, by tests/hopper_compile.py); with more (request, KV head)
-    # pairs than that, splitting only adds the merge. On the H200 eight per SM was slower at 8
-    # requests (20.0 against 15.2 us per layer, docs/benchmarks.md); at 256 and 128 requests
-    # splitting never paid (benchmarks/attention_sweep.py).
+    # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of K/V
+    # tiles in shared memory, by tests/hopper_compile.py); with more (request, KV head) pairs than
+    # that, splitting only adds the merge. On the H200 eight per SM was slower at 8 requests (20.0
+    # against 15.2 us per layer), and at 128 and 256 requests two splits gained nothing measurable
+    # (benchmarks/attention_sweep.py; docs/benchmarks.md).
     per_pair = 2 * _num_sms(device) // (num_reqs * num_kv_heads)
     if per_pair < 2:
         return 1

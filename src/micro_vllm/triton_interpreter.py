@@ -6,6 +6,12 @@ from __future__ import annotations
 import triton.language as tl
 
 
+def interpreted(kernel) -> bool:
+    """Whether ``kernel`` runs under the interpreter: ``triton.jit`` decides when the kernel is
+    defined (from TRITON_INTERPRET at that moment), so ask the kernel, not the environment."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
 def patch_triton_interpreter() -> None:
     """Work around two bugs of Triton 3.6's CPU interpreter that our kernels hit.
 
