@@ -17,18 +17,24 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # "Running it").
 { cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD; } | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
 
+# run LOG SCRIPT [ARGS...]: a benchmark script that appends to results.jsonl, logged to $OUT/LOG.log
+run() {
+  local log=$1 script=$2; shift 2
+  python3 "benchmarks/$script" "$@" --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/$log.log" || status=1
+}
+
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
     # The engine-level tests first: they are the ones a short lease must not cut off.
     tests) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/test_gpu.py tests/ 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
-    throughput) python3 benchmarks/throughput.py --compare-hf 16 --profile --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/throughput.log" || status=1 ;;
-    latency) python3 benchmarks/latency.py --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/latency.log" || status=1 ;;
-    eager) python3 benchmarks/throughput.py --enforce-eager --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/eager.log" || status=1 ;;
-    unfused) python3 benchmarks/throughput.py --no-fused-ops --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/unfused.log" || status=1 ;;
-    unfused-sampler) python3 benchmarks/throughput.py --no-fused-sampler --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/unfused_sampler.log" || status=1 ;;
-    sweep) python3 benchmarks/attention_sweep.py --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/sweep.log" || status=1 ;;
-    gemm) python3 benchmarks/gemm_shapes.py --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/gemm.log" || status=1 ;;
+    throughput) run throughput throughput.py --compare-hf 16 --profile ;;
+    latency) run latency latency.py ;;
+    eager) run eager throughput.py --enforce-eager ;;
+    unfused) run unfused throughput.py --no-fused-ops ;;
+    unfused-sampler) run unfused_sampler throughput.py --no-fused-sampler ;;
+    sweep) run sweep attention_sweep.py ;;
+    gemm) run gemm gemm_shapes.py ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
