@@ -129,10 +129,14 @@ def test_sliding_window_smaller_than_the_sequence_matches_transformers(model_dir
     settings = dict(max_model_len=64, max_num_batched_tokens=8, block_size=4, num_blocks=6)
     with pytest.raises(ValueError, match="can never fit"):
         make_llm(model_dirs["llama"], **settings).generate(prompts[:1], SamplingParams(max_tokens=28))
-    llm = make_llm(model_dirs["mistral"], **settings)
-    log = log_steps(llm)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=28, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert log.peak_blocks_in_use <= 5
     reference = load_hf_reference(model_dirs["mistral"])
-    assert token_ids(outputs) == [transformers_greedy(reference, p, 28) for p in prompts]
-    assert_all_free(llm)
+    expected = [transformers_greedy(reference, p, 28) for p in prompts]
+    # The tight cache (5 usable blocks) must serve both; a roomy one, one request at a time, must
+    # still hold no more than 5 blocks at once (there, the bound is the window's, not the cache's).
+    for num_blocks, max_num_seqs in ((6, 4), (30, 1)):
+        llm = make_llm(model_dirs["mistral"], **{**settings, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs})
+        log = log_steps(llm)
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=28, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert log.peak_blocks_in_use <= 5
+        assert token_ids(outputs) == expected
+        assert_all_free(llm)

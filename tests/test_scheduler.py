@@ -44,7 +44,11 @@ def test_max_num_seqs_limits_running_requests():
     plan = scheduler.schedule()
     assert list(plan.num_scheduled_tokens) == [requests[0].request_id, requests[1].request_id]
     scheduler.update_from_output(fake_output(plan, scheduler))
-    finished = run_to_completion(scheduler, check=lambda s, p: len(s.running) <= 2)
+
+    def at_most_two_running(s, plan):
+        assert len(s.running) <= 2 and len(plan.num_scheduled_tokens) <= 2
+
+    finished = run_to_completion(scheduler, check=at_most_two_running)
     assert {r.request_id for r in finished} >= {r.request_id for r in requests[2:]}
 
 
@@ -218,19 +222,22 @@ def test_sliding_window_runs_a_request_longer_than_the_cache():
     # 100 tokens need 25 blocks under full attention, but a window of 8 with chunks of 16 needs 7.
     with pytest.raises(ValueError, match="can never fit"):
         make_scheduler(num_blocks=8, max_num_batched_tokens=16).add_request(make_request(20, max_tokens=80))
-    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=16, specs=window_specs)
-    request = make_request(20, max_tokens=80)
-    scheduler.add_request(request)
-    peak = 0
+    # In a cache of 8 blocks (7 usable) it must run at all; in a roomy one the window must still
+    # hold no more than 7 blocks at once (there, the bound is not the cache's size).
+    for num_blocks in (8, 40):
+        scheduler = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=16, specs=window_specs)
+        request = make_request(20, max_tokens=80)
+        scheduler.add_request(request)
+        peak = 0
 
-    def check(s, plan):
-        nonlocal peak
-        check_invariants(s)
-        kv = s.kv_cache_manager
-        peak = max(peak, kv.num_usable_blocks - kv.num_free_blocks)
+        def check(s, plan):
+            nonlocal peak
+            check_invariants(s)
+            kv = s.kv_cache_manager
+            peak = max(peak, kv.num_usable_blocks - kv.num_free_blocks)
 
-    run_to_completion(scheduler, check=check)
-    assert request.num_output_tokens == 80 and peak <= 7
+        run_to_completion(scheduler, check=check)
+        assert request.num_output_tokens == 80 and peak <= 7
 
 
 def test_async_scheduling_plans_ahead_and_drops_the_token_after_a_stop():
@@ -250,16 +257,16 @@ def test_async_scheduling_plans_ahead_and_drops_the_token_after_a_stop():
     assert dict(second.num_scheduled_tokens) == {capped.request_id: 1, stopping.request_id: 1}
     assert capped.num_output_placeholders == 2
 
-    def returns(plan, tokens):
+    def returns(tokens):
         return scheduler.update_from_output(ModelRunnerOutput(list(tokens), [[t] for t in tokens.values()]))
 
-    assert returns(first, {capped.request_id: 3, stopping.request_id: 5}) == [stopping]
+    assert returns({capped.request_id: 3, stopping.request_id: 5}) == [stopping]
     third = scheduler.schedule()
     assert third.finished_req_ids == {stopping.request_id}
     assert dict(third.num_scheduled_tokens) == {capped.request_id: 1}
-    assert returns(second, {capped.request_id: 3, stopping.request_id: 9}) == []
+    assert returns({capped.request_id: 3, stopping.request_id: 9}) == []
     assert stopping.output_token_ids == [5]  # the token planned after the stop is dropped
     assert scheduler.schedule().is_empty  # capped's third and last token is in flight
-    assert returns(third, {capped.request_id: 3}) == [capped]
+    assert returns({capped.request_id: 3}) == [capped]
     assert capped.output_token_ids == [3, 3, 3] and capped.finish_reason == "length"
     check_all_free(scheduler)
