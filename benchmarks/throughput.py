@@ -114,6 +114,7 @@ def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps:
 
     engine = llm.engine
     step = engine.step
+    caller_wrapper = vars(engine).get("step")  # put back after, whatever the caller had installed
     warmup = min(skip_steps, 2)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  schedule=schedule(wait=skip_steps - warmup, warmup=warmup, active=steps)) as prof:
@@ -122,9 +123,14 @@ def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps:
             prof.step()
             return result
         engine.step = profiled_step
-        params = SamplingParams(max_tokens=skip_steps + steps + 8, temperature=temperature, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        del engine.step
+        try:
+            params = SamplingParams(max_tokens=skip_steps + steps + 8, temperature=temperature, ignore_eos=True)
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        finally:
+            if caller_wrapper is None:
+                del engine.step
+            else:
+                engine.step = caller_wrapper
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 

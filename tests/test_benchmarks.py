@@ -36,16 +36,25 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     assert tokens == sum(max_tokens)
     steps = phases["step_calls"]
     assert steps > 0 and all(phases[name + "_calls"] == steps for name in ("schedule", "execute"))
+    # Every launched step's output is read and applied once; non-empty steps prepare, run and sample.
+    assert phases["get_output_calls"] == phases["update_calls"] == steps
+    assert 0 < phases["prepare_calls"] == phases["forward_calls"] == phases["sample_calls"] <= steps
     assert sum(phases[kind + "_calls"] for kind in throughput.STEP_KINDS) == steps
     assert phases["with prefill_calls"] > 0 and phases["decodes 1-15_calls"] > 0
     engine = llm.engine
-    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)  # unwrapped
+    runner = engine.executor.worker.model_runner
+    # Unwrapped: no instance attribute shadows a method any more, the sampler is the Sampler again.
+    assert "step" not in vars(engine)
+    assert not {"schedule", "update_from_output"} & set(vars(engine.scheduler))
+    assert "execute_model" not in vars(engine.executor)
+    assert not {"_prepare_inputs", "_run_model"} & set(vars(runner))
+    assert type(runner.sampler).__name__ == "Sampler"
     assert DeviceStepOutput.get_output.__qualname__ == "DeviceStepOutput.get_output"
 
 
 def test_profile_steps_profiles_the_window_it_is_asked_for(tmp_path):
-    """Skipping one step of a run whose budget chunks the prompts profiles prefill steps (the
-    step stats tell them apart), and the engine's step is unwrapped after."""
+    """Skipping one step of a run whose budget chunks the prompts profiles two prefill steps (the
+    step stats tell them apart), and the wrapper the caller had on the engine's step is back after."""
     llm = LLM(model=str(make_tiny_model("qwen3", tmp_path)), device="cpu", max_model_len=128,
               max_num_batched_tokens=32, max_num_seqs=8)
     prefill_tokens = []
@@ -58,9 +67,11 @@ def test_profile_steps_profiles_the_window_it_is_asked_for(tmp_path):
 
     llm.engine.step = counting_step
     table = throughput.profile_steps(llm, [[5 + i] * 20 for i in range(8)], 0.6, skip_steps=1, steps=2)
+    profiler_steps = [line.split()[-1] for line in table.splitlines() if line.strip().startswith("ProfilerStep")]
+    assert profiler_steps == ["2"]  # exactly the two steps asked for
     assert "aten::" in table  # operators were recorded
     assert all(n > 0 for n in prefill_tokens[1:3])  # the profiled steps 2 and 3 prefill
-    assert "step" not in vars(llm.engine)
+    assert llm.engine.step == counting_step  # the caller's own wrapper is back
 
 
 def test_results_table_has_a_row_per_measurement():
@@ -94,24 +105,40 @@ def test_results_table_has_a_row_per_measurement():
     assert len(table) == 8
 
 
-def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs():
+def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatch):
     """The sweep's step builder, forced tile shapes and split counts, under the interpreter on a
-    small step: a decode batch and a mixed one, each forced setting giving the backend's own outputs."""
+    small step: a decode batch and a mixed one, each forced setting launched as asked and giving the
+    backend's own outputs."""
     import attention_sweep as sweep
     from micro_vllm.attention.operators import triton_attn
 
-    chosen = []
+    kernel, launches = triton_attn._attention_kernel, []
+
+    class RecordingKernel:  # what each attention launch was given
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_attn, "_attention_kernel", RecordingKernel())
+    monkeypatch.setattr(triton_attn, "_check_device", lambda tensor: None)  # the recorder is not "interpreted"
+
+    def launched_tiles():
+        k = launches[-1]
+        return (k["BLOCK_M"], k["TILE_N"], k["num_warps"], k["num_stages"], k["ONE_QBLOCK_PER_REQ"])
+
     pick = triton_attn._pick_tiles
     for query_lens, context_lens, tiles in (([1, 1, 1], [20, 45, 3], sweep.DECODE_TILES[1]),
                                             ([40, 1], [0, 30], sweep.PREFILL_TILES[1])):
         step = sweep.make_step(query_lens, context_lens, "cpu", dtype=torch.float32)
-        triton_attn._pick_tiles = lambda *args: chosen.append(pick(*args)) or pick(*args)
         expected = sweep.attend(step, None)
-        triton_attn._pick_tiles = pick
+        assert launched_tiles() != tuple(tiles)  # the forced shape is not the default one
         forced = sweep.attend(step, tiles)
+        assert launched_tiles() == tuple(tiles)
         assert triton_attn._pick_tiles is pick  # restored
-        assert chosen[-1] != tiles  # the forced shape is not the default one
         torch.testing.assert_close(forced, expected, atol=1e-4, rtol=1e-4)
     split = sweep.attend(step := sweep.make_step([1, 1], [700, 90], "cpu", dtype=torch.float32), None, 2)
+    assert launches[-1]["NUM_SPLITS"] == 2
     assert triton_attn._num_splits.__name__ == "_num_splits"  # restored
     torch.testing.assert_close(split, sweep.attend(step, None), atol=1e-4, rtol=1e-4)
