@@ -203,7 +203,6 @@ class FakeRunner:
         self.num_computed: dict[str, int] = {}
         self.slots: dict[tuple[int, int], list[int | None]] = {}  # (group, block id) -> prefix id per slot
         self.hashed: dict[int, tuple] = {}  # block id -> hash when the last step ended
-        self.num_steps = 0
         self.num_preempted = 0
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -218,7 +217,6 @@ class FakeRunner:
         sampled = [self._sample(rid, plan.num_scheduled_tokens[rid]) for rid in req_ids]
         self.hashed = {b.block_id: b.block_hash for b in self.scheduler.kv_cache_manager.block_pool.blocks
                        if b.block_hash is not None}
-        self.num_steps += 1
         self.num_preempted += len(plan.preempted_req_ids)
         return ModelRunnerOutput(req_ids, sampled)
 

@@ -129,7 +129,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 @dataclass(frozen=True)
 class Agreement:
     compared: int  # positions held to identity (all of them when the streams are identical)
-    diverged_at: int | None  # where the streams first differ, None when identical
     error: str | None  # why the difference is not acceptable, None when it is (or there is none)
 
 
@@ -138,14 +137,13 @@ def check_greedy_agreement(ours: list[int], theirs: list[int], reference: Refere
     position where ``reference`` (computed on the common prefix) has a near tie."""
     i = first_difference(ours, theirs)
     if i is None:
-        return Agreement(len(ours), None, None)
+        return Agreement(len(ours), None)
     if i >= min(len(ours), len(theirs)):
-        return Agreement(i, i, f"{what}: lengths differ ({len(ours)} vs {len(theirs)}) with identical tokens")
+        return Agreement(i, f"{what}: lengths differ ({len(ours)} vs {len(theirs)}) with identical tokens")
     gap, tol = reference.gaps[i], reference.tols[i]
     if gap < tol:
-        return Agreement(i, i, None)
+        return Agreement(i, None)
     return Agreement(
-        i,
         i,
         f"{what}: diverged at output position {i} ({ours[i]} vs {theirs[i]}) where the reference's "
         f"top-two gap is {gap:.4g} >= tolerance {tol:.4g}; ours={ours}, theirs={theirs}",

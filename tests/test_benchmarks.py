@@ -22,7 +22,7 @@ import throughput  # noqa: E402
 def test_scheduler_bench_runs_a_workload_to_the_end(enable_caching):
     workload = [(list(range(1 + i, 40 + 7 * i)), 5 + i) for i in range(12)]
     times = scheduler_bench.run_once(workload, enable_caching)
-    assert len(times.schedule_ns) == len(times.update_ns) >= max(n for _, n in workload)
+    assert len(times.update_ns) >= max(n for _, n in workload)  # a step per token of the longest
     assert times.num_scheduled_requests >= sum(n for _, n in workload)
 
 

@@ -44,7 +44,7 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # bench_model, throughput
 MAX_MODEL_LEN = 256  # = max_position_embeddings of the tiny models
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -205,8 +205,6 @@ def bf16_engine(model_dirs):
 def test_benchmark_model_runs_with_default_settings(tmp_path):
     """The Qwen3-0.6B-shaped random model (2 layers) on defaults: bf16, triton, CUDA graphs, and a
     KV cache sized from gpu_memory_utilization after the profiling run."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
     from bench_model import QWEN3_0_6B, build_random_model
 
     path = build_random_model(tmp_path / "qwen3-0.6b-2-layers", num_hidden_layers=2)
@@ -497,8 +495,6 @@ def test_serving_compiles_no_triton_kernel(model_dirs):
     """Start-up (warm-up steps and graph capture) compiles every Triton kernel variant that serving
     needs: a lone long prompt, chunked prompts beside decodes, short prompts and decode batches of
     any size then compile nothing."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
     from throughput import triton_compilations
 
     for family in ("qwen3", "mistral"):

@@ -69,9 +69,7 @@ def test_all_blocks_free_after_all_requests_finish():
     finished = run_to_completion(scheduler)
     assert len(finished) == 5
     assert all(r.num_output_tokens == 6 and r.finish_reason == "length" for r in finished)
-    kv = scheduler.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_usable_blocks
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks[1:])
+    check_all_free(scheduler)
 
 
 def test_stop_conditions():
@@ -133,8 +131,7 @@ def test_abort_frees_blocks_and_leaves_others():
     scheduler.update_from_output(fake_output(plan, scheduler))
     run_to_completion(scheduler)
     assert b.num_output_tokens == 5
-    kv = scheduler.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_usable_blocks
+    check_all_free(scheduler)
 
 
 def step(scheduler):
