@@ -6,7 +6,8 @@ Decode batches of 256 down to 8 requests (one query each; the recipe's full batc
 100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer): the full
 batch under every tile shape, and each batch under every split count (flash-decoding programs per
 request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of 1,024
-tokens beside 64 decodes) under every prefill tile shape. Qwen3-0.6B's
+tokens beside 64 decodes) under every prefill tile shape. Each decode batch is also timed with the
+runner's longest-first ``decode_order``. Qwen3-0.6B's
 attention: 16 query heads, 8 KV heads of 128, bf16, pages of 16 tokens in random order. Each tile
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
 CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as the engine runs decodes: timed
@@ -18,6 +19,7 @@ Decode reports K/V read in TB/s, prefill TFLOP/s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 
@@ -113,6 +115,11 @@ def main() -> None:
         full = num_reqs == 256
         rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES if full else DECODE_TILES[:1], kv_bytes, "TB/s",
                       SPLITS[:3] if full else SPLITS)
+        # The runner's order for decode steps: longest context first.
+        query, kv_cache, metadata = decode
+        order = torch.argsort(-metadata.seq_lens.long(), stable=True).to(torch.int32)
+        ordered = (query, kv_cache, dataclasses.replace(metadata, decode_order=order))
+        rows += sweep(f"decode {num_reqs} ordered", ordered, DECODE_TILES[:1], kv_bytes, "TB/s", SPLITS[:3])
 
     query_lens = [1024] * 16 + [1] * 64
     context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]

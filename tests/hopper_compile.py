@@ -114,6 +114,8 @@ def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_s
             block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
             slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+            # Decode steps come ordered from the runner (longest context first).
+            decode_order=torch.arange(num_reqs, dtype=torch.int32) if max(query_lens) == 1 else None,
         )
         qkv = torch.zeros(num_tokens, (group + 2) * num_kv_heads * head_size, dtype=dtype)
         query = qkv[:, : group * num_kv_heads * head_size].view(num_tokens, group * num_kv_heads, head_size)

@@ -218,6 +218,28 @@ def test_dummy_requests_of_a_padded_decode_graph(rng: random.Random, monkeypatch
     check_against_reference(batch, None)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_order_changes_only_the_programs_order(rng: random.Random, monkeypatch, num_splits: int) -> None:
+    """With ``decode_order`` program i serves request order[i]: the same outputs, bit for bit, as in
+    request order (and as the reference), dummies of a padded graph included."""
+    monkeypatch.setattr(triton_attn, "_num_splits", lambda *args: num_splits)
+    monkeypatch.setattr(triton_attn, "_MIN_SPLIT_KEYS", 16)
+    use_small_tiles(monkeypatch)
+    requests = [(1, context) for context in sorted(rng.sample(range(60), 5))] + [(0, 0)]  # shortest first
+    batch = make_batch(rng, requests, num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
+                       dtype=torch.float32, num_pad_tokens=2)
+    scale = 16**-0.5
+    in_order = get_backend("triton").forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
+                                             sliding_window=None)
+    order = torch.argsort(-batch.metadata.seq_lens.long(), stable=True).to(torch.int32)
+    batch.metadata.decode_order = order
+    check_against_reference(batch, None)
+    ordered = get_backend("triton").forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
+                                            sliding_window=None)
+    n = batch.metadata.num_actual_tokens
+    assert torch.equal(ordered[:n], in_order[:n])
+
+
 def test_long_chunk_spans_many_query_blocks(rng: random.Random) -> None:
     # 70 queries with GQA 2 need several 32-query blocks, exercising the request search.
     requests = [(1, 9), (rng.randint(60, 80), rng.randint(0, 30)), (1, 3), (rng.randint(33, 40), 0)]

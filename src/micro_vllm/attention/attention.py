@@ -33,6 +33,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset; -1 = padding
     query_start_loc_cpu: torch.Tensor  # int32 copies on the host, for backends that loop in Python
     seq_lens_cpu: torch.Tensor
+    # int32 [num_reqs], decode steps only: the order in which a backend may start the requests'
+    # work (longest context first, so the long programs do not finish last); None: request order.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

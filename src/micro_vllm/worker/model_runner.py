@@ -169,6 +169,7 @@ class ModelRunner:
         self.positions = staged(max_tokens, dtype=torch.int64)
         self.query_start_loc = staged(max_reqs + 1)
         self.seq_lens = staged(max_reqs)
+        self.decode_order = staged(max_reqs)  # decode steps: requests by context length, longest first
         self.logits_indices = staged(max_reqs, dtype=torch.int64)
         self.block_tables = [staged(max_reqs, max_blocks) for _ in groups]
         self.slot_mappings = [staged(max_tokens, dtype=torch.int64) for _ in groups]
@@ -267,7 +268,8 @@ class ModelRunner:
             input_ids=self._input_ids(rows, query_start_loc, num_tokens),
             positions=self.positions.copy_to_device(num_tokens),
             attn_metadata=self._attention_metadata(
-                num_reqs, num_tokens, int(num_scheduled.max()), int(seq_lens.max()), num_cols
+                num_reqs, num_tokens, int(num_scheduled.max()), int(seq_lens.max()), num_cols,
+                ordered=num_tokens == num_reqs,
             ),
             logits_indices=self.logits_indices.copy_to_device(num_samples),
             sample_rows=sample_rows,
@@ -295,11 +297,16 @@ class ModelRunner:
         return input_ids
 
     def _attention_metadata(
-        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, num_cols: int
+        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, num_cols: int, ordered: bool
     ) -> list[AttentionMetadata]:
-        """Copy the staged step inputs to the device and wrap them per KV cache group."""
+        """Copy the staged step inputs to the device and wrap them per KV cache group; a decode step
+        (``ordered``) also gets its requests ordered longest context first."""
         query_start_loc = self.query_start_loc.copy_to_device(num_reqs + 1)
         seq_lens = self.seq_lens.copy_to_device(num_reqs)
+        decode_order = None
+        if ordered:
+            self.decode_order.np[:num_reqs] = np.argsort(-self.seq_lens.np[:num_reqs], kind="stable")
+            decode_order = self.decode_order.copy_to_device(num_reqs)
         per_group = [
             AttentionMetadata(
                 num_actual_tokens=num_tokens,
@@ -311,6 +318,7 @@ class ModelRunner:
                 slot_mapping=slot_mapping.copy_to_device(num_tokens),
                 query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
                 seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+                decode_order=decode_order,
             )
             for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings)
         ]
@@ -331,6 +339,7 @@ class ModelRunner:
         null block and write nowhere."""
         self.query_start_loc.device[num_reqs : size + 1] = self.arange[num_reqs : size + 1]
         self.seq_lens.device[num_reqs:size] = 1
+        self.decode_order.device[num_reqs:size] = self.arange[num_reqs:size]  # the dummies last
         self.input_ids.device[num_reqs:size] = 0
         self.positions.device[num_reqs:size] = 0
         for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings):
@@ -406,6 +415,7 @@ class ModelRunner:
                     slot_mapping=self.slot_mappings[g].device[:size],
                     query_start_loc_cpu=self.query_start_loc.cpu[: size + 1],
                     seq_lens_cpu=self.seq_lens.cpu[:size],
+                    decode_order=self.decode_order.device[:size],
                 )
                 for g in self.layer_group
             ]

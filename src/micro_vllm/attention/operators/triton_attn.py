@@ -16,7 +16,9 @@ block table; only the tiles at the causal and window edges are masked. The numbe
 an upper bound that needs no device data: ``num_tokens // BLOCK_Q + num_reqs`` (each request wastes at
 most one partial block); a program finds its request by binary search over ``query_start_loc`` and
 exits when it has no rows. When no request has more than ``BLOCK_Q`` queries (decode), program ``i``
-simply serves request ``i``.
+simply serves request ``i``, or request ``decode_order[i]`` when the metadata has an order: the GPU
+starts programs roughly in index order, so longest contexts first keeps a long program from
+starting last and running alone at the end.
 
 CUDA graphs: the grid, the tile shape and the split count depend only on ``num_reqs``,
 ``query.shape[0]``, ``max_query_len``, the head counts and the device; never on sequence lengths, which
@@ -154,6 +156,7 @@ def _attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    req_order_ptr,  # [num_reqs] int32, decode tiles with HAS_ORDER: program i serves req_order[i]
     num_reqs,
     scale_log2,  # softmax scale * log2(e): scores live in base 2 so exp2 is one instruction
     window,
@@ -177,6 +180,7 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,  # fewest tiles a split takes (flash-decoding mode)
     ONE_QBLOCK_PER_REQ: tl.constexpr,  # every request has <= BLOCK_Q queries: program i = request i
+    HAS_ORDER: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -185,7 +189,10 @@ def _attention_kernel(
     split = tl.program_id(2)
 
     if ONE_QBLOCK_PER_REQ:
-        req = qblock
+        if HAS_ORDER:
+            req = tl.load(req_order_ptr + qblock)
+        else:
+            req = qblock
         first_q = 0
     else:
         req = _find_request(query_start_loc_ptr, num_reqs, qblock, BLOCK_Q)
@@ -435,6 +442,7 @@ class TritonBackend(AttentionBackend):
         one_qblock = tiles.one_qblock_per_req
         grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
         num_splits = _num_splits(query.device, num_reqs, num_kv_heads, max_query_len)
+        order = metadata.decode_order if one_qblock else None
 
         if num_splits > 1:
             partial = torch.empty(
@@ -456,6 +464,7 @@ class TritonBackend(AttentionBackend):
             metadata.block_table,
             metadata.seq_lens,
             metadata.query_start_loc,
+            order if order is not None else metadata.seq_lens,  # the latter unread
             num_reqs,
             scale * math.log2(math.e),
             window,
@@ -479,6 +488,7 @@ class TritonBackend(AttentionBackend):
             NUM_SPLITS=num_splits,
             MIN_SPLIT_TILES=max(1, _MIN_SPLIT_KEYS // tiles.tile_n),
             ONE_QBLOCK_PER_REQ=one_qblock,
+            HAS_ORDER=order is not None,
             HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             num_warps=tiles.num_warps,
