@@ -117,7 +117,7 @@ def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps:
     caller_wrapper = vars(engine).get("step")  # put back after, whatever the caller had installed
     warmup = min(skip_steps, 2)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 schedule=schedule(wait=skip_steps - warmup, warmup=warmup, active=steps)) as prof:
+                 schedule=schedule(wait=skip_steps - warmup, warmup=warmup, active=steps, repeat=1)) as prof:
         def profiled_step():
             result = step()
             prof.step()
