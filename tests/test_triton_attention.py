@@ -249,6 +249,16 @@ def test_long_chunk_spans_many_query_blocks(rng: random.Random) -> None:
     check_against_reference(batch, None)
 
 
+def test_step_too_long_for_the_grid_is_refused(rng: random.Random, monkeypatch) -> None:
+    # CUDA bounds the grid's second dimension (the query blocks) at 65,535; a step that needs more
+    # gets an error naming its size, not a failed launch. Lowered here, so that a small step hits it.
+    batch = make_batch(rng, [(70, 0), (1, 5)], num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
+                       dtype=torch.float32)
+    monkeypatch.setattr(triton_attn, "_MAX_GRID_Y", 2)
+    with pytest.raises(ValueError, match="a step of 71 tokens needs 4 query blocks; at most 2"):
+        get_backend("triton").forward(batch.query, batch.kv_cache, batch.metadata, scale=0.25, sliding_window=None)
+
+
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_split_kv_decode(rng: random.Random, monkeypatch, num_splits: int) -> None:
     # The split path is picked on GPUs for few requests; force it so the interpreter covers it too,
