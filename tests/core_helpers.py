@@ -73,6 +73,11 @@ def run_to_completion(scheduler: Scheduler, max_steps=10_000, check=None) -> lis
     raise AssertionError("requests did not finish: the scheduler made no progress")
 
 
+def token_ids(outputs) -> list[list[int]]:
+    """Each request output's generated token ids, in order."""
+    return [o.output_token_ids for o in outputs]
+
+
 def block_ids(blocks) -> list[int]:
     return [b.block_id for b in blocks]
 
@@ -167,6 +172,7 @@ def check_request_states(scheduler: Scheduler) -> None:
 
 
 def check_all_free(scheduler: Scheduler) -> None:
+    """Nothing is left behind once every request finished (also for a scheduler inside an LLM)."""
     kv = scheduler.kv_cache_manager
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
     assert kv.num_free_blocks == kv.num_usable_blocks, "blocks leaked"

@@ -4,6 +4,7 @@ transformers, token by token (fp32, CPU, tiny random models)."""
 import pytest
 import torch
 
+from core_helpers import check_all_free
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
 from tiny_models import FAMILIES, load_hf_reference, make_tiny_model
 
@@ -62,8 +63,7 @@ def test_greedy_matches_transformers(family, backend, model_dirs, hf_greedy):
         assert output.prompt_token_ids == prompt
         assert output.output_token_ids == expected
         assert output.finish_reason == "length"
-    kv = llm.engine.scheduler.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_usable_blocks  # nothing leaked
+    check_all_free(llm.engine.scheduler)
 
 
 def test_config_form_and_keyword_form_agree(model_dirs):
@@ -157,8 +157,8 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(budget, model_dirs):
     for async_scheduling in (True, False):
         llm = _llm(path, "sdpa", max_num_batched_tokens=budget, async_scheduling=async_scheduling)
         runs.append([(o.output_token_ids, o.finish_reason) for o in llm.generate(PROMPTS * 2, params * 2, use_tqdm=False)])
-        kv = llm.engine.scheduler.kv_cache_manager
-        assert kv.num_free_blocks == kv.num_usable_blocks and not llm.engine.in_flight
+        check_all_free(llm.engine.scheduler)
+        assert not llm.engine.in_flight
     assert runs[0] == runs[1]
     assert runs[0][0] == (free[0].output_token_ids[:3], "stop")
     assert [len(tokens) for tokens, _ in runs[0][:4]] == [3, 9, 12, 5]

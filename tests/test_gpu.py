@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from core_helpers import check_all_free, token_ids
 from gpu_helpers import (
     Reference,
     check_greedy_agreement,
@@ -116,10 +117,6 @@ def runner_of(llm: LLM):
     return llm.engine.executor.worker.model_runner
 
 
-def token_ids(outputs) -> list[list[int]]:
-    return [o.output_token_ids for o in outputs]
-
-
 # -- fixtures ----------------------------------------------------------------------------------
 
 
@@ -159,18 +156,15 @@ class References:
             self.greedy_cache[family, dtype] = [hf_greedy(model, p, NUM_TOKENS) for p in PROMPTS]
         return self.greedy_cache[family, dtype]
 
-    def assert_same_greedy(self, family: str, dtype: torch.dtype, prompts, ours, theirs, what: str) -> int:
+    def assert_same_greedy(self, family: str, dtype: torch.dtype, prompts, ours, theirs, what: str) -> None:
         """Two runs of our engine agree: identical, or first different at a near tie of transformers'
-        logits on the common prefix. Returns how many requests are identical."""
-        identical = 0
+        logits on the common prefix."""
         for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs)):
             if a == b:
-                identical += 1
                 continue
             reference = hf_gaps_along(self.model(family, dtype), prompt, a)
             agreement = check_greedy_agreement(a, b, reference, f"{what}, request {i}")
             assert agreement.error is None, agreement.error
-        return identical
 
 
 @pytest.fixture(scope="module")
@@ -275,8 +269,7 @@ def test_fp32_greedy_matches_transformers(family, backend, block_size, model_dir
         max_num_batched_tokens=24, max_num_seqs=4,
     ) as llm:
         outputs = llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
-        kv = llm.engine.scheduler.kv_cache_manager
-        assert kv.num_free_blocks == kv.num_usable_blocks  # nothing leaked
+        check_all_free(llm.engine.scheduler)
     _assert_matches_reference(outputs, references, f"{family}/{backend}/block {block_size}")
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from core_helpers import check_all_free, token_ids
 from micro_vllm import LLM, SamplingParams
 from test_generate import _greedy as transformers_greedy
 from tiny_models import load_hf_reference, make_tiny_model
@@ -74,15 +75,6 @@ def log_steps(llm: LLM) -> StepLog:
     return log
 
 
-def token_ids(outputs) -> list[list[int]]:
-    return [o.output_token_ids for o in outputs]
-
-
-def assert_all_free(llm: LLM) -> None:
-    kv = llm.engine.scheduler.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_usable_blocks
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefix_caching_does_not_change_outputs(family, model_dirs):
     cached, uncached = make_llm(model_dirs[family]), make_llm(model_dirs[family], enable_prefix_caching=False)
@@ -99,7 +91,7 @@ def test_prefix_caching_does_not_change_outputs(family, model_dirs):
     assert first[3].num_cached_tokens == 40
     # Across calls: the blocks of the first call are still cached.
     assert [o.num_cached_tokens for o in second] == [40, 24, 0, 0]
-    assert_all_free(cached)
+    check_all_free(cached.engine.scheduler)
 
 
 PREEMPT_PROMPTS = [[(i * 31 + j * 7) % 250 for j in range(20 + 3 * i)] for i in range(4)]
@@ -119,7 +111,7 @@ def test_preemption_does_not_change_outputs(family, model_dirs):
     assert log.preempted, "the tight cache must force preemption"
     assert token_ids(preempted) == token_ids(roomy.generate(PREEMPT_PROMPTS, params, use_tqdm=False))
     assert all(len(o.output_token_ids) == 24 for o in preempted)
-    assert_all_free(tight)
+    check_all_free(tight.engine.scheduler)
 
 
 def test_sliding_window_smaller_than_the_sequence_matches_transformers(model_dirs):
@@ -139,4 +131,4 @@ def test_sliding_window_smaller_than_the_sequence_matches_transformers(model_dir
         outputs = llm.generate(prompts, SamplingParams(max_tokens=28, temperature=0, ignore_eos=True), use_tqdm=False)
         assert log.peak_blocks_in_use <= 5
         assert token_ids(outputs) == expected
-        assert_all_free(llm)
+        check_all_free(llm.engine.scheduler)
