@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -28,7 +29,7 @@ pytest.importorskip("triton")
 
 from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
 from micro_vllm import fused  # noqa: E402
-from micro_vllm.layers import triton_ops  # noqa: E402
+from micro_vllm.layers import activation, norm, rotary, triton_ops  # noqa: E402
 from micro_vllm.layers.activation import SiluAndMul  # noqa: E402
 from micro_vllm.layers.norm import RMSNorm  # noqa: E402
 from micro_vllm.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -104,6 +105,59 @@ def pytorch_layers() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused, "triton_ops", None)
         yield
+
+
+@contextlib.contextmanager
+def counted_kernel_calls() -> Iterator[Counter]:
+    """Count the calls into ``triton_ops``: where both paths are bit-exact, equal outputs alone
+    cannot tell that the layers took the kernels."""
+    calls: Counter = Counter()
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("rms_norm", "rotary_embedding", "silu_and_mul"):
+            def spy(*args, _op=getattr(triton_ops, name), _name=name, **kwargs):
+                calls[_name] += 1
+                return _op(*args, **kwargs)
+            patch.setattr(triton_ops, name, spy)
+        yield calls
+
+
+class EveryLayerOp:
+    """Each fused layer op once, on random inputs: RMSNorm alone, with the residual and per head;
+    rotary embedding with and without the q/k norm; SiLU-and-mul."""
+
+    KERNEL_CALLS = {"rms_norm": 3, "rotary_embedding": 2, "silu_and_mul": 1}
+
+    def __init__(self, tokens: int, hidden: int, heads: int, kv_heads: int, head_size: int, intermediate: int,
+                 dtype: torch.dtype, device: str) -> None:
+        self.head_size = head_size
+        self.layer, self.head_norm = random_norm(hidden, dtype, device), random_norm(head_size, dtype, device)
+        self.rope = RotaryEmbedding(head_size, MAX_POSITION, LLAMA3_ROPE).to(device)
+        self.x, self.residual = 3 * torch.randn(2, tokens, hidden, dtype=dtype, device=device)
+        self.q, self.k = fused_qkv(tokens, heads, kv_heads, head_size, dtype, device)
+        self.positions = torch.randint(0, MAX_POSITION, (tokens,), device=device)
+        self.gate_up = 4 * torch.randn(tokens, 2 * intermediate, dtype=dtype, device=device)
+
+    def outputs(self) -> list[torch.Tensor]:
+        q, k, head_norm = self.q, self.k, self.head_norm
+        return [
+            self.layer(self.x),
+            *self.layer(self.x, self.residual),
+            head_norm(q.unflatten(-1, (-1, self.head_size))),
+            *self.rope(self.positions, q, k),
+            SiluAndMul()(self.gate_up),
+            *self.rope(self.positions, q, k, head_norm, head_norm),
+        ]
+
+    def check(self, fused_outputs: list[torch.Tensor], pytorch_outputs: list[torch.Tensor]) -> None:
+        for index, (got, want) in enumerate(zip(fused_outputs, pytorch_outputs, strict=True)):
+            if index in (2, 4, 5):  # the residual sum and rotary embedding: bit-exact
+                assert torch.equal(got, want)
+            elif index in (7, 8):  # rotary embedding after the q/k norm
+                flat = self.q if index == 7 else self.k
+                normalized = self.head_norm(flat.unflatten(-1, (-1, self.head_size))).flatten(-2)
+                assert_rotation_matches(got, want, normalized, self.head_size)
+            else:
+                assert_matches(got, want)
 
 
 # --- CPU, under the interpreter -------------------------------------------------------------------
@@ -196,6 +250,20 @@ def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     assert_matches(triton_ops.silu_and_mul(gate_up), SiluAndMul()(gate_up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_dispatch_each_op_to_its_kernel(dtype: torch.dtype, monkeypatch) -> None:
+    """The layers' own dispatch, routed to the kernels on CPU as it is for CUDA tensors: one kernel
+    call per op, and the PyTorch code's results."""
+    ops = EveryLayerOp(9, 64, 4, 2, 32, 96, dtype, "cpu")
+    pytorch_outputs = ops.outputs()
+    for module in (norm, activation, rotary):
+        monkeypatch.setattr(module, "fused_ops", lambda x: triton_ops)
+    with counted_kernel_calls() as calls:
+        fused_outputs = ops.outputs()
+    assert calls == EveryLayerOp.KERNEL_CALLS
+    ops.check(fused_outputs, pytorch_outputs)
+
+
 def test_empty_batch() -> None:
     layer, rope = random_norm(64, torch.bfloat16), RotaryEmbedding(64, 16, LLAMA3_ROPE)
     x = torch.empty(0, 64, dtype=torch.bfloat16)
@@ -219,37 +287,14 @@ class TestCuda:
     TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, INTERMEDIATE = 256, 1024, 16, 8, 128, 3072
 
     def test_layers_take_the_triton_path_and_match_pytorch(self) -> None:
-        dtype, device = torch.bfloat16, "cuda"
-        layer, head_norm = random_norm(self.HIDDEN, dtype, device), random_norm(self.HEAD_SIZE, dtype, device)
-        rope = RotaryEmbedding(self.HEAD_SIZE, MAX_POSITION, LLAMA3_ROPE).to(device)
-        x, residual = 3 * torch.randn(2, self.TOKENS, self.HIDDEN, dtype=dtype, device=device)
-        q, k = fused_qkv(self.TOKENS, self.HEADS, self.KV_HEADS, self.HEAD_SIZE, dtype, device)
-        positions = torch.randint(0, MAX_POSITION, (self.TOKENS,), device=device)
-        gate_up = 4 * torch.randn(self.TOKENS, 2 * self.INTERMEDIATE, dtype=dtype, device=device)
-
-        def run() -> list[torch.Tensor]:
-            return [
-                layer(x),
-                *layer(x, residual),
-                head_norm(q.unflatten(-1, (-1, self.HEAD_SIZE))),
-                *rope(positions, q, k),
-                SiluAndMul()(gate_up),
-                *rope(positions, q, k, head_norm, head_norm),
-            ]
-
-        fused = run()
-        assert torch.equal(fused[0], triton_ops.rms_norm(x, layer.weight, layer.eps))  # dispatched
+        ops = EveryLayerOp(self.TOKENS, self.HIDDEN, self.HEADS, self.KV_HEADS, self.HEAD_SIZE, self.INTERMEDIATE,
+                           torch.bfloat16, "cuda")
+        with counted_kernel_calls() as calls:
+            fused_outputs = ops.outputs()
+        assert calls == EveryLayerOp.KERNEL_CALLS  # CUDA tensors take the kernels by themselves
         with pytorch_layers():
-            eager = run()
-        for index, (got, want) in enumerate(zip(fused, eager, strict=True)):
-            if index in (2, 4, 5):  # the residual sum and rotary embedding: bit-exact
-                assert torch.equal(got, want)
-            elif index in (7, 8):  # rotary embedding after the q/k norm
-                flat = q if index == 7 else k
-                normalized = head_norm(flat.unflatten(-1, (-1, self.HEAD_SIZE))).flatten(-2)
-                assert_rotation_matches(got, want, normalized, self.HEAD_SIZE)
-            else:
-                assert_matches(got, want)
+            pytorch_outputs = ops.outputs()
+        ops.check(fused_outputs, pytorch_outputs)
 
     def test_cuda_graph_replay(self) -> None:
         dtype, device = torch.bfloat16, "cuda"
