@@ -4,8 +4,9 @@
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
 100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer): the full
-batch under every tile shape, and each batch under every split count (flash-decoding programs per
-request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of 1,024
+batch under every tile shape, each batch under every split count (flash-decoding programs per
+request and KV head; "auto" is the backend's own choice), the smaller batches under the
+double-buffered shapes too; and a prefill step (16 prompts of 1,024
 tokens beside 64 decodes) under every prefill tile shape. Decode batches come in the runner's
 order (``decode_order``, longest context first). Qwen3-0.6B's
 attention: 16 query heads, 8 KV heads of 128, bf16, pages of 16 tokens in random order. Each tile
@@ -30,10 +31,11 @@ from micro_vllm.attention.operators import triton_attn
 
 Tiles = triton_attn._Tiles
 # Five stages are the fewest at which the compiler keeps two K and two V buffers (the block-table load
-# takes a stage of its own; tests/hopper_compile.py's machinery, 2026-11-29).
+# takes a stage of its own; tests/hopper_compile.py's machinery, 2026-11-29): loads stay in flight while
+# a program computes, which matters most where few programs share an SM.
+DOUBLE_BUFFERED = [Tiles(16, 128, 4, 5, True), Tiles(16, 64, 4, 5, True)]
 DECODE_TILES = [Tiles(16, 128, 4, 3, True), Tiles(16, 64, 4, 3, True), Tiles(16, 128, 8, 3, True),
-                Tiles(16, 64, 8, 3, True), Tiles(16, 32, 4, 4, True), Tiles(16, 128, 4, 5, True),
-                Tiles(16, 64, 4, 5, True)]
+                Tiles(16, 64, 8, 3, True), Tiles(16, 32, 4, 4, True), *DOUBLE_BUFFERED]
 PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 64, 8, 2, False),
                  Tiles(128, 64, 8, 2, False), Tiles(64, 64, 4, 3, False)]
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
@@ -115,11 +117,14 @@ def main() -> None:
         order = torch.argsort(-metadata.seq_lens.long(), stable=True).to(torch.int32)  # as the runner orders
         decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order))
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
-        # Tile shapes on the full batch (where more than 2 splits only lost); split counts (None: the
-        # backend's own) on every batch.
-        full = num_reqs == 256
-        rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES if full else DECODE_TILES[:1], kv_bytes, "TB/s",
-                      SPLITS[:3] if full else SPLITS)
+        # Every tile shape on the full batch (where more than 2 splits only lost); split counts (None:
+        # the backend's own) on every batch; and on the smaller ones, where fewer programs share an SM,
+        # the double-buffered shapes too.
+        if num_reqs == 256:
+            rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES, kv_bytes, "TB/s", SPLITS[:3])
+        else:
+            rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES[:1], kv_bytes, "TB/s", SPLITS)
+            rows += sweep(f"decode {num_reqs}", decode, DOUBLE_BUFFERED, kv_bytes, "TB/s")
 
     query_lens = [1024] * 16 + [1] * 64
     context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]
