@@ -460,7 +460,9 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         window = sliding_window if sliding_window is not None else 0
         if grid_q > _MAX_GRID_Y:
-            raise ValueError(f"a step of {num_tokens} tokens needs {grid_q} query blocks; at most {_MAX_GRID_Y} fit a grid")
+            raise ValueError(
+                f"a step of {num_tokens} tokens needs {grid_q} query blocks; at most {_MAX_GRID_Y} fit a grid"
+            )
         _attention_kernel[(num_kv_heads, grid_q, num_splits)](
             target,
             lse,
