@@ -217,9 +217,8 @@ def main() -> None:
             print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step")
     if args.profile:  # prefill steps, the full batch's decodes, and the long tail's few requests
         print("kernel profile, the recipe's 2nd and 3rd steps (prefill chunks of the 16,384-token budget):")
-        # Token ids moved past the recipe's 0..10,000, so no prompt hits the prefix cache of the timed run.
-        unseen = [[t + 10_001 for t in p] for p in prompts]
-        print(profile_steps(llm, unseen, args.temperature, skip_steps=1, steps=2))
+        llm.reset_prefix_cache()  # else the timed run's cache serves the prompts, and no step prefills
+        print(profile_steps(llm, prompts, args.temperature, skip_steps=1, steps=2))
         for n in (len(prompts), 8):
             print(f"kernel profile, steps of {n} decodes:")
             print(profile_steps(llm, prompts[:n], args.temperature, skip_steps=40, steps=10))

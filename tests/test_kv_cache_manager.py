@@ -82,6 +82,23 @@ def test_hit_after_free_and_lru_eviction():
     assert num_computed == 4
 
 
+def test_reset_prefix_cache_only_when_no_block_is_held():
+    kv = make_kv_manager(num_blocks=7, block_size=4)
+    a = make_request(list(range(8)) + [1])
+    allocate_prompt(kv, a)  # blocks 1 and 2 full and cached
+    assert not kv.reset_prefix_cache()  # a still holds them: nothing changes
+    assert kv.get_computed_blocks(make_request(list(range(8)) + [2]))[1] == 8
+    kv.free(a)
+    assert kv.reset_prefix_cache()
+    assert len(kv.block_pool.prefix_cache) == 0
+    assert all(block.block_hash is None for block in kv.block_pool.blocks)
+    assert kv.get_computed_blocks(make_request(list(range(8)) + [2]))[1] == 0
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    # The same prefix is cached again when computed again.
+    allocate_prompt(kv, make_request(list(range(8)) + [3]))
+    assert kv.get_computed_blocks(make_request(list(range(8)) + [4]))[1] == 8
+
+
 def test_cache_hit_revives_block_counts_against_free():
     kv = make_kv_manager(num_blocks=4, block_size=4)  # 3 usable
     a = make_request(list(range(8)) + [5])

@@ -92,6 +92,13 @@ def test_prefix_caching_does_not_change_outputs(family, model_dirs):
     # Across calls: the blocks of the first call are still cached.
     assert [o.num_cached_tokens for o in second] == [40, 24, 0, 0]
     check_all_free(cached.engine.scheduler)
+    # Until the cache is reset: then the second call's prompts hit only what they share among
+    # themselves (prompt 1 reuses prompt 0's first 24 tokens), as in a fresh engine.
+    assert cached.reset_prefix_cache()
+    after_reset = cached.generate(SECOND_CALL, GREEDY, use_tqdm=False)
+    fresh = make_llm(model_dirs[family]).generate(SECOND_CALL, GREEDY, use_tqdm=False)
+    assert token_ids(after_reset) == token_ids(fresh) == token_ids(second)
+    assert [o.num_cached_tokens for o in after_reset] == [o.num_cached_tokens for o in fresh] == [0, 24, 0, 0]
 
 
 PREEMPT_PROMPTS = [[(i * 31 + j * 7) % 250 for j in range(20 + 3 * i)] for i in range(4)]

@@ -114,6 +114,13 @@ class LLM:
             self._pending_aborts.append(request_id)
             return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, as vLLM's ``LLM.reset_prefix_cache`` does: later
+        requests compute their prompts in full (a benchmark that must not hit an earlier run's
+        cache, say). Call it between ``generate`` calls, when no request holds KV blocks; otherwise
+        it changes nothing and returns False."""
+        return self._engine().reset_prefix_cache()
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],

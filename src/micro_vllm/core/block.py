@@ -134,6 +134,18 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
         return self.prefix_cache.get(block_hash, group_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, so later requests compute their prompts anew; refused (False)
+        while a request holds blocks, whose hashes must stay."""
+        if self.get_num_free_blocks() != self.num_usable_blocks:
+            return False
+        evicted = [block.block_id for block in self.blocks if block.block_hash is not None]
+        for block in self.blocks:
+            block.block_hash = None
+        self.prefix_cache.clear()
+        self._record("evicted", evicted, None)
+        return True
+
     def _record(self, kind: str, block_ids: list[int], request_id: str | None) -> None:
         if self.events is not None and block_ids:
             self.events.append({"event": kind, "block_ids": block_ids, "request_id": request_id})

@@ -51,6 +51,9 @@ class KVCacheManager:
     def num_usable_blocks(self) -> int:
         return self.block_pool.num_usable_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
     def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
         return sum(m.max_blocks_needed(num_tokens, max_chunk_tokens) for m in self.managers)
 

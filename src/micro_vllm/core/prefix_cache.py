@@ -66,6 +66,9 @@ class PrefixCache:
         block.block_hash = (block_hash, group_id)
         self._table.setdefault((block_hash, group_id), block)
 
+    def clear(self) -> None:
+        self._table.clear()
+
     def evict(self, block: KVCacheBlock) -> bool:
         """Forget ``block``'s hash before it is reused; True if it was the cached copy."""
         key = block.block_hash
