@@ -52,6 +52,16 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _inv_rms(sum_sq, eps, N: tl.constexpr, MEAN_BY_DIVISION: tl.constexpr):
+    """``1 / sqrt(sum_sq / N + eps)`` with the mean PyTorch's RMSNorm computes on each device."""
+    if MEAN_BY_DIVISION:
+        variance = sum_sq / N  # PyTorch's CPU mean: the sum divided by N
+    else:
+        variance = sum_sq * (1.0 / N)  # its CUDA mean: the sum times an fp32 factor 1 / N
+    return tl.math.rsqrt(variance + eps)
+
+
+@triton.jit
 def _exp(x):
     if _INTERPRETED:
         y = tl.exp(x)  # libdevice is device code, which the interpreter cannot call
@@ -101,12 +111,8 @@ def _rms_norm_kernel(
         x = _round(x + residual.to(tl.float32), dtype)
         tl.store(residual_out_ptr + out_offset, x.to(dtype), mask=mask)
 
-    sum_sq = tl.sum(x * x, axis=1)
-    if MEAN_BY_DIVISION:
-        variance = sum_sq / N  # PyTorch's CPU mean: the sum divided by N
-    else:
-        variance = sum_sq * (1.0 / N)  # its CUDA mean: the sum times an fp32 factor 1 / N
-    normalized = _round(x * tl.math.rsqrt(variance + eps)[:, None], dtype)
+    inv_rms = _inv_rms(tl.sum(x * x, axis=1), eps, N, MEAN_BY_DIVISION)
+    normalized = _round(x * inv_rms[:, None], dtype)
     weight = tl.load(weight_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)
     out = _round(normalized * weight[None, :], out_ptr.dtype.element_ty)
     tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -199,11 +205,7 @@ def _rotate_heads(
     second = tl.load(src_row + offset + half, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         sum_sq = tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)
-        if MEAN_BY_DIVISION:
-            variance = sum_sq / HEAD_SIZE
-        else:
-            variance = sum_sq * (1.0 / HEAD_SIZE)
-        inv_rms = tl.math.rsqrt(variance + eps)[:, None]
+        inv_rms = _inv_rms(sum_sq, eps, HEAD_SIZE, MEAN_BY_DIVISION)[:, None]
         weight_first = tl.load(norm_weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
         weight_second = tl.load(norm_weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
         first = _round(_round(first * inv_rms, dtype) * weight_first, dtype)
