@@ -68,6 +68,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (and nothing changes) while requests hold KV blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     # -- the step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -112,8 +112,7 @@ class Engine:
         return self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache; False (and nothing changes) while requests hold KV blocks."""
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     # -- the step loop -------------------------------------------------------------------------
 
