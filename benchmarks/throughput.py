@@ -24,7 +24,10 @@ from micro_vllm.worker.model_runner import DeviceStepOutput
 
 
 def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[int, float]:
+    """One timed ``generate`` of the prompts, from an empty prefix cache: an earlier run's cache
+    (``--repeat``, the profiles, the recipe before the transformers comparison) would serve them."""
     params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True) for n in max_tokens]
+    llm.reset_prefix_cache()
     _sync()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -108,14 +111,16 @@ def triton_compilations() -> int:
 
 
 def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps: int) -> str:
-    """Profile ``steps`` engine steps after the first ``skip_steps`` of a run of ``prompts`` and
-    return the kernel table: with 40 skipped, decodes; with 1 skipped, prefill steps of the recipe."""
+    """Profile ``steps`` engine steps after the first ``skip_steps`` of a run of ``prompts`` (from an
+    empty prefix cache, so the prompts are computed) and return the kernel table: with 40 skipped,
+    decodes; with 1 skipped, prefill steps of the recipe."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     engine = llm.engine
     step = engine.step
     caller_wrapper = vars(engine).get("step")  # put back after, whatever the caller had installed
     warmup = min(skip_steps, 2)
+    llm.reset_prefix_cache()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  schedule=schedule(wait=skip_steps - warmup, warmup=warmup, active=steps, repeat=1)) as prof:
         def profiled_step():
@@ -184,7 +189,7 @@ def main() -> None:
     parser.add_argument("--hf-max-tokens", type=int, default=128, help="output tokens per request in the comparison")
     parser.add_argument("--no-fused-ops", action="store_true", help="run the layers' PyTorch path (for before/after)")
     parser.add_argument("--no-fused-sampler", action="store_true", help="run the PyTorch sampler (for before/after)")
-    parser.add_argument("--profile", action="store_true", help="print a kernel profile of a few decode steps")
+    parser.add_argument("--profile", action="store_true", help="print kernel profiles of two prefill steps and of decode steps")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     args = parser.parse_args()
 
@@ -217,7 +222,6 @@ def main() -> None:
             print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step")
     if args.profile:  # prefill steps, the full batch's decodes, and the long tail's few requests
         print("kernel profile, the recipe's 2nd and 3rd steps (prefill chunks of the 16,384-token budget):")
-        llm.reset_prefix_cache()  # else the timed run's cache serves the prompts, and no step prefills
         print(profile_steps(llm, prompts, args.temperature, skip_steps=1, steps=2))
         for n in (len(prompts), 8):
             print(f"kernel profile, steps of {n} decodes:")

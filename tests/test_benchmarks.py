@@ -52,6 +52,24 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     assert DeviceStepOutput.get_output.__qualname__ == "DeviceStepOutput.get_output"
 
 
+def test_every_timed_run_starts_from_an_empty_prefix_cache(tmp_path):
+    """A second timed run of the same prompts computes them again: the first run's cached blocks
+    would otherwise serve them and flatter the figure."""
+    llm = LLM(model=str(make_tiny_model("qwen3", tmp_path)), device="cpu", max_model_len=128, block_size=16)
+    prompts = [[1 + i] * 40 for i in range(3)]
+    generate, cached = llm.generate, []
+
+    def recording_generate(*args, **kwargs):
+        outputs = generate(*args, **kwargs)
+        cached.append([o.num_cached_tokens for o in outputs])
+        return outputs
+
+    llm.generate = recording_generate
+    for _ in range(2):
+        throughput.run_micro_vllm(llm, prompts, [2, 2, 2], temperature=0.6)
+    assert cached == [[0, 0, 0], [0, 0, 0]]
+
+
 def test_profile_steps_profiles_the_window_it_is_asked_for(tmp_path):
     """Skipping one step of a run whose budget chunks the prompts profiles two prefill steps (the
     step stats tell them apart), and the wrapper the caller had on the engine's step is back after."""
