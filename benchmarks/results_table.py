@@ -1,4 +1,5 @@
-"""A Markdown table of the JSON lines that throughput.py and latency.py append with ``--json``.
+"""A Markdown table of the JSON lines that the benchmarks (throughput, latency, attention_sweep,
+gemm_shapes) append with ``--json``.
 
     python benchmarks/results_table.py results.jsonl
 """

@@ -11,7 +11,7 @@ This module owns the Triton kernels and the host code that sizes their grids:
 Grid of the attention kernel: ``(num_kv_heads, query blocks, num_splits)``. The KV heads vary fastest,
 so the programs of one query block start together: they read the same pages, where a token's K/V of
 all heads lie side by side. On the H200 this took a decode batch of 64 requests from 106.7 to 91.0 µs
-and one of 128 from 177.3 to 168.6 µs (``benchmarks/attention_sweep.py``, docs/benchmarks.md).
+and one of 128 from 177.2 to 168.6 µs (``benchmarks/attention_sweep.py``, docs/benchmarks.md).
 A program owns ``BLOCK_Q`` consecutive query tokens of one request and all ``GROUP`` query heads that
 share one KV head (``BLOCK_M = BLOCK_Q * GROUP`` rows of the score tile), so each K/V tile is loaded
 once per group. It walks the request's context in tiles of ``TILE_N`` keys, reading pages through the
@@ -351,8 +351,9 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of K/V
     # tiles in shared memory, by tests/hopper_compile.py); with more (request, KV head) pairs than
     # that, splitting only adds the merge. On the H200 eight per SM was slower at 8 requests (20.0
-    # against 15.2 us per layer), and at 128 and 256 requests two splits gained nothing measurable
-    # (benchmarks/attention_sweep.py; docs/benchmarks.md).
+    # against 15.2 us per layer), and with the runner's order and this grid two splits were slower
+    # at 64, 128 and 256 requests and within 1.1% at 32 (benchmarks/attention_sweep.py;
+    # docs/benchmarks.md).
     per_pair = 2 * _num_sms(device) // (num_reqs * num_kv_heads)
     if per_pair < 2:
         return 1
