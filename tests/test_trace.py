@@ -134,6 +134,21 @@ def test_block_events_only_at_block_level(model_dir):
         _steps(step_level.events))
 
 
+def test_a_prefix_cache_reset_evicts_every_cached_block_in_one_event(model_dir):
+    """``reset_prefix_cache`` between two calls: one ``evicted`` event, for no request, names exactly
+    the blocks the cache held, and the second call starts with no cached block."""
+    sink = ListSink()
+    with _llm(model_dir, TraceConfig(sink, level="block")) as llm:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        cached = {b.block_id for b in llm.engine.scheduler.kv_cache_manager.block_pool.blocks if b.block_hash}
+        assert cached and llm.reset_prefix_cache()
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    resets = [e for e in sink.events if e["event"] == "evicted" and e["request_id"] is None]
+    assert len(resets) == 1 and set(resets[0]["block_ids"]) == cached
+    first_step_after = next(e for e in _steps(sink.events) if e["step"] == resets[0]["step"])
+    assert first_step_after["prefix_cache_hit_tokens"] == 0
+
+
 def test_hit_events_name_the_reused_prefix_blocks(model_dir):
     """The prompts share three full blocks: every request admitted after the first reuses them, and
     its hit event names the blocks the first request cached, as many as the step's hit tokens say."""
