@@ -3,13 +3,15 @@
     python benchmarks/attention_sweep.py [--json results.jsonl]
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
-100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer): the full
-batch under every tile shape, each batch under every split count (flash-decoding programs per
-request and KV head; "auto" is the backend's own choice), the smaller batches under the
-double-buffered shapes too; and a prefill step (16 prompts of 1,024
-tokens beside 64 decodes) under every prefill tile shape. Decode batches come in the runner's
-order (``decode_order``, longest context first). Qwen3-0.6B's
-attention: 16 query heads, 8 KV heads of 128, bf16, pages of 16 tokens in random order. Each tile
+100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer), each under
+the tile shape in use and the double-buffered shapes, with pages of 16 and 32 tokens laid out as the
+runner does (a page holds token after token, each token its KV heads side by side) and head-major
+(a page holds each KV head's tokens together, so a program reads one contiguous run per page; the
+kernel reads the cache through its strides, so only the view differs); the batches of 64 or fewer
+under every split count (flash-decoding programs per request and KV head; "auto" is the backend's own
+choice); and a prefill step (16 prompts of 1,024 tokens beside 64 decodes) under every prefill tile
+shape. Decode batches come in the runner's order (``decode_order``, longest context first).
+Qwen3-0.6B's attention: 16 query heads, 8 KV heads of 128, bf16, pages in random order. Each tile
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
 CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as the engine runs decodes: timed
 as eager calls, batches of 64 requests or fewer measured the host's launch overhead (2026-11-29).
@@ -34,20 +36,25 @@ Tiles = triton_attn._Tiles
 # takes a stage of its own; tests/hopper_compile.py's machinery, 2026-11-29): loads stay in flight while
 # a program computes, which matters most where few programs share an SM.
 DOUBLE_BUFFERED = [Tiles(16, 128, 4, 5, True), Tiles(16, 64, 4, 5, True)]
-DECODE_TILES = [Tiles(16, 128, 4, 3, True), Tiles(16, 64, 4, 3, True), Tiles(16, 128, 8, 3, True),
-                Tiles(16, 64, 8, 3, True), Tiles(16, 32, 4, 4, True), *DOUBLE_BUFFERED]
+# Other decode shapes (16 x 64 and 16 x 32 keys, 8 warps) were 13 to 20% slower at 256 requests
+# (commit e1cdfbb, docs/benchmarks.md).
+DECODE_TILES = [Tiles(16, 128, 4, 3, True), *DOUBLE_BUFFERED]
 PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 64, 8, 2, False),
                  Tiles(128, 64, 8, 2, False), Tiles(64, 64, 4, 3, False)]
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
-NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 16, 8, 128
+LAYOUTS = ("tokens", "heads")  # within a page: token-major (the runner's) or KV-head-major
 
 
-def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype=torch.bfloat16, seed: int = 0):
+def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype=torch.bfloat16, seed: int = 0,
+              block_size: int = 16, layout: str = "tokens"):
     """A step's query, paged K/V cache and metadata: request i has ``context_lens[i]`` cached tokens
-    and ``query_lens[i]`` new ones, its pages scattered over the cache."""
+    and ``query_lens[i]`` new ones, its pages scattered over the cache. The cache is always indexed
+    [K/V, page, token, KV head, dim]; with ``layout="heads"`` it is a view of memory ordered
+    [K/V, page, KV head, token, dim]."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-    pages_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    pages_per_req = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(pages_per_req) + 1
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 stays the null block
     table = torch.zeros(len(seq_lens), max(pages_per_req), dtype=torch.int32)
@@ -55,7 +62,9 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
     for i, n in enumerate(pages_per_req):
         table[i, :n] = torch.tensor(order[start : start + n], dtype=torch.int32)
         start += n
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    if layout == "heads":
+        kv_cache = kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
     query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
@@ -98,7 +107,7 @@ def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split
             rate = work / (ms * 1e-3) / 1e12
             rows.append({"batch": name, "tiles": tiles._asdict(), "splits": num_splits, "ms": ms, unit: rate,
                          "max_abs_diff": error})
-            print(f"{name:10s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
+            print(f"{name:24s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
                   f"{tiles.num_stages} splits {num_splits or 'auto'}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  "
                   f"max |diff| {error:.1e}")
     return rows
@@ -113,18 +122,20 @@ def main() -> None:
     rows = []
     for num_reqs, shortest in ((256, 100), (128, 500), (64, 800), (32, 800), (16, 800), (8, 800)):
         contexts = [rng.randint(shortest, 2047) for _ in range(num_reqs)]
-        query, kv_cache, metadata = make_step([1] * num_reqs, contexts, "cuda")
-        order = torch.argsort(-metadata.seq_lens.long(), stable=True).to(torch.int32)  # as the runner orders
-        decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order))
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
-        # Every tile shape on the full batch (where more than 2 splits only lost); split counts (None:
-        # the backend's own) on every batch; and on the smaller ones, where fewer programs share an SM,
-        # the double-buffered shapes too.
-        if num_reqs == 256:
-            rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES, kv_bytes, "TB/s", SPLITS[:3])
-        else:
-            rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES[:1], kv_bytes, "TB/s", SPLITS)
-            rows += sweep(f"decode {num_reqs}", decode, DOUBLE_BUFFERED, kv_bytes, "TB/s")
+        for block_size in (16, 32):
+            for layout in LAYOUTS:
+                query, kv_cache, metadata = make_step([1] * num_reqs, contexts, "cuda", block_size=block_size,
+                                                      layout=layout)
+                order = torch.argsort(-metadata.seq_lens.long(), stable=True).to(torch.int32)  # as the runner
+                decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order))
+                name = f"decode {num_reqs} {layout} {block_size}"
+                # Splits only where (request, KV head) pairs alone leave SMs idle: with 128 requests
+                # or more two splits were slower or within 1.1% (e1cdfbb).
+                splits = SPLITS if num_reqs <= 64 and (block_size, layout) == (16, "tokens") else (None,)
+                rows += sweep(name, decode, DECODE_TILES[:1], kv_bytes, "TB/s", splits)
+                rows += sweep(name, decode, DOUBLE_BUFFERED, kv_bytes, "TB/s")
+                del query, kv_cache, metadata, decode
 
     query_lens = [1024] * 16 + [1] * 64
     context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]

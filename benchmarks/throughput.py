@@ -136,7 +136,24 @@ def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps:
                 del engine.step
             else:
                 engine.step = caller_wrapper
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n" + gpu_busy(prof.events())
+
+
+def gpu_busy(events) -> str:
+    """How much of the profiled window the GPU worked: the union of its kernels' and copies' intervals
+    against the span from the first one's start to the last one's end (idle GPU is the rest)."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in events
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not intervals:
+        return "GPU busy: no GPU activity recorded"
+    busy, (run_start, run_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > run_end:
+            busy, run_start = busy + run_end - run_start, start
+        run_end = max(run_end, end)
+    busy += run_end - run_start
+    span = max(end for _, end in intervals) - intervals[0][0]
+    return f"GPU busy: {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({100 * busy / span:.1f}%)"
 
 
 def disable_fused(layers: bool, sampler: bool) -> None:

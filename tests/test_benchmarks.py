@@ -94,6 +94,19 @@ def test_profile_steps_profiles_the_window_it_is_asked_for(tmp_path):
     assert llm.engine.step == counting_step  # the caller's own wrapper is back
 
 
+def test_gpu_busy_counts_overlapping_intervals_once():
+    from types import SimpleNamespace
+
+    def event(start, end, device="CUDA"):
+        return SimpleNamespace(device_type=getattr(torch.autograd.DeviceType, device),
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    # kernels over [0, 10], [5, 20] (overlapping), [30, 40]: 30 us busy of a 40 us span; CPU ops ignored
+    events = [event(30, 40), event(0, 10), event(5, 20), event(-100, 500, "CPU")]
+    assert throughput.gpu_busy(events) == "GPU busy: 0.03 ms of a 0.04 ms span (75.0%)"
+    assert throughput.gpu_busy(events[3:]) == "GPU busy: no GPU activity recorded"
+
+
 def test_results_table_has_a_row_per_measurement():
     import json
 
@@ -128,7 +141,7 @@ def test_results_table_has_a_row_per_measurement():
 def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatch):
     """The sweep's step builder, forced tile shapes and split counts, under the interpreter on a
     small step: a decode batch and a mixed one, each forced setting launched as asked and giving the
-    backend's own outputs."""
+    backend's own outputs; the head-major cache view giving the token-major one's."""
     import attention_sweep as sweep
     from micro_vllm.attention.operators import triton_attn
 
@@ -158,6 +171,11 @@ def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatc
         assert launched_tiles() == tuple(tiles)
         assert triton_attn._pick_tiles is pick  # restored
         torch.testing.assert_close(forced, expected, atol=1e-4, rtol=1e-4)
+    for block_size in (16, 32):  # the head-major view reads the same values through other strides
+        tokens, heads = (sweep.make_step([1, 5], [40, 12], "cpu", dtype=torch.float32, block_size=block_size,
+                                         layout=layout) for layout in sweep.LAYOUTS)
+        assert heads[1].stride(3) == block_size * sweep.HEAD_SIZE and torch.equal(heads[1], tokens[1])
+        torch.testing.assert_close(sweep.attend(heads, None), sweep.attend(tokens, None), atol=1e-5, rtol=1e-5)
     split = sweep.attend(step := sweep.make_step([1, 1], [700, 90], "cpu", dtype=torch.float32), None, 2)
     assert launches[-1]["NUM_SPLITS"] == 2
     assert triton_attn._num_splits.__name__ == "_num_splits"  # restored
