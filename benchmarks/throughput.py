@@ -38,7 +38,8 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[i
 
 @contextlib.contextmanager
 def time_phases(llm: LLM):
-    """Accumulate wall time per phase of each engine step, and of ``step`` itself per kind of step.
+    """Accumulate wall time per phase of each engine step, and of ``step`` itself per kind of step
+    (with the part of it spent in ``get_output``: a kind that waits little is bound by the host).
 
     ``schedule`` and ``update`` are CPU work. ``execute`` launches the step: input preparation
     (``prepare``), the forward pass (``forward``: a graph replay or eager launches), the sampler's
@@ -48,7 +49,7 @@ def time_phases(llm: LLM):
 
     def timed(name, method):
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
+            start, waited_before = time.perf_counter(), totals["get_output"]
             result = method(*args, **kwargs)
             seconds = time.perf_counter() - start
             totals[name] += seconds
@@ -58,6 +59,7 @@ def time_phases(llm: LLM):
                 kind = _step_kind(stats.num_prefill_tokens, stats.num_decode_tokens)
                 totals[kind] += seconds
                 totals[kind + "_calls"] += 1
+                totals[kind + "_wait"] += totals["get_output"] - waited_before
             return result
         return wrapper
 
@@ -141,9 +143,10 @@ def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps:
 
 def gpu_busy(events) -> str:
     """How much of the profiled window the GPU worked: the union of its kernels' and copies' intervals
-    against the span from the first one's start to the last one's end (idle GPU is the rest)."""
+    against the span from the first one's start to the last one's end (idle GPU is the rest). The
+    profiler's own step annotations on the GPU timeline span everything and do not count."""
     intervals = sorted((e.time_range.start, e.time_range.end) for e in events
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
+                       if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
     if not intervals:
         return "GPU busy: no GPU activity recorded"
     busy, (run_start, run_end) = 0.0, intervals[0]
@@ -228,15 +231,17 @@ def main() -> None:
         compiled = triton_compilations() - compiled_before
         steps = int(phases["schedule_calls"])
         breakdown = {k: round(1e6 * phases[k] / steps) for k in PHASES}
-        by_kind = {k: {"steps": int(phases[k + "_calls"]), "seconds": round(phases[k], 3)} for k in STEP_KINDS}
+        by_kind = {k: {"steps": int(phases[k + "_calls"]), "seconds": round(phases[k], 3),
+                       "waiting_s": round(phases[k + "_wait"], 3)} for k in STEP_KINDS}
         results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds),
                                 "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
                                 "triton_compilations": compiled})
         print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
               f"{steps} steps, mean us/step {breakdown}; Triton compilations during the run: {compiled}")
         for kind, row in by_kind.items():
-            mean = 1e3 * row["seconds"] / row["steps"] if row["steps"] else 0.0
-            print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step")
+            mean, wait = (1e3 * row[k] / row["steps"] if row["steps"] else 0.0 for k in ("seconds", "waiting_s"))
+            print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step "
+                  f"({wait:.2f} waiting for the GPU)")
     if args.profile:  # prefill steps, the full batch's decodes, and the long tail's few requests
         print("kernel profile, the recipe's 2nd and 3rd steps (prefill chunks of the 16,384-token budget):")
         print(profile_steps(llm, prompts, args.temperature, skip_steps=1, steps=2))

@@ -41,6 +41,9 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     assert 0 < phases["prepare_calls"] == phases["forward_calls"] == phases["sample_calls"] <= steps
     assert sum(phases[kind + "_calls"] for kind in throughput.STEP_KINDS) == steps
     assert phases["with prefill_calls"] > 0 and phases["decodes 1-15_calls"] > 0
+    # The waits for the GPU are split over the kinds of step, each within its steps' time.
+    assert sum(phases[kind + "_wait"] for kind in throughput.STEP_KINDS) == pytest.approx(phases["get_output"])
+    assert all(0 <= phases[kind + "_wait"] <= phases[kind] for kind in throughput.STEP_KINDS)
     engine = llm.engine
     runner = engine.executor.worker.model_runner
     # Unwrapped: no instance attribute shadows a method any more, the sampler is the Sampler again.
@@ -97,12 +100,13 @@ def test_profile_steps_profiles_the_window_it_is_asked_for(tmp_path):
 def test_gpu_busy_counts_overlapping_intervals_once():
     from types import SimpleNamespace
 
-    def event(start, end, device="CUDA"):
-        return SimpleNamespace(device_type=getattr(torch.autograd.DeviceType, device),
+    def event(start, end, device="CUDA", annotation=False):
+        return SimpleNamespace(device_type=getattr(torch.autograd.DeviceType, device), is_user_annotation=annotation,
                                time_range=SimpleNamespace(start=start, end=end))
 
-    # kernels over [0, 10], [5, 20] (overlapping), [30, 40]: 30 us busy of a 40 us span; CPU ops ignored
-    events = [event(30, 40), event(0, 10), event(5, 20), event(-100, 500, "CPU")]
+    # kernels over [0, 10], [5, 20] (overlapping), [30, 40]: 30 us busy of a 40 us span; CPU ops and
+    # the profiler's step annotation on the GPU are ignored
+    events = [event(30, 40), event(0, 10), event(5, 20), event(-100, 500, "CPU"), event(-5, 45, annotation=True)]
     assert throughput.gpu_busy(events) == "GPU busy: 0.03 ms of a 0.04 ms span (75.0%)"
     assert throughput.gpu_busy(events[3:]) == "GPU busy: no GPU activity recorded"
 
