@@ -120,10 +120,11 @@ def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_s
         qkv = torch.zeros(num_tokens, (group + 2) * num_kv_heads * head_size, dtype=dtype)
         query = qkv[:, : group * num_kv_heads * head_size].view(num_tokens, group * num_kv_heads, head_size)
         key = qkv[:, group * num_kv_heads * head_size:][:, : num_kv_heads * head_size].view(num_tokens, num_kv_heads, head_size)
-        backend.write_kv(key, key, kv_cache, metadata.slot_mapping)
         splits = num_splits if max(query_lens) == 1 else 1
         triton_attn._num_splits = lambda *_, n=splits: n
-        backend.forward(query, kv_cache, metadata, scale=head_size**-0.5, sliding_window=window)
+        # As a layer runs it: the decode batch stores its K/V inside the attention launch, the mixed
+        # one launches the write kernel first.
+        backend.write_and_attend(query, key, key, kv_cache, metadata, scale=head_size**-0.5, sliding_window=window)
 
 
 def layer_launches(dtype: torch.dtype) -> None:

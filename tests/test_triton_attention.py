@@ -275,6 +275,47 @@ def test_split_kv_decode(rng: random.Random, monkeypatch, num_splits: int) -> No
         check_against_reference(batch, window)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_steps_write_their_kv_inside_the_attention_launch(
+    rng: random.Random, monkeypatch, num_splits: int
+) -> None:
+    """``write_and_attend`` on a decode step: the attention kernel stores each request's new K/V
+    (no write launch), with splits and windows, dummies of a padded graph and padding tokens; the
+    cache ends as the reference's write leaves it and the outputs match. Steps with longer queries
+    launch the write first and match too."""
+    monkeypatch.setattr(triton_attn, "_num_splits", lambda *args: num_splits)
+    monkeypatch.setattr(triton_attn, "_MIN_SPLIT_KEYS", 16)
+    use_small_tiles(monkeypatch)
+    write_kernel = triton_attn._write_kv_kernel
+
+    class NoWriteLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("a decode step launched the K/V write kernel")
+
+    num_kv_heads, head_size = 2, 16
+    for window, requests in ((None, [(1, rng.randint(0, 60)) for _ in range(3)] + [(0, 0), (1, 0)]),
+                             (9, [(1, rng.randint(0, 60)) for _ in range(3)]),
+                             (None, [(1, rng.randint(0, 60)), (rng.randint(2, 20), rng.randint(0, 20))])):
+        batch = make_batch(rng, requests, num_heads=4, num_kv_heads=num_kv_heads, head_size=head_size,
+                           block_size=16, dtype=torch.float32, sliding_window=window, num_pad_tokens=2)
+        num_tokens = batch.query.shape[0]
+        new_kv = torch.randn(2, num_tokens, num_kv_heads, head_size, device=DEVICE)
+        expected_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+        write_kv_to_cache(new_kv[0], new_kv[1], expected_cache, batch.metadata.slot_mapping)
+        decode = batch.metadata.max_query_len == 1
+        monkeypatch.setattr(triton_attn, "_write_kv_kernel", NoWriteLaunch() if decode else write_kernel)
+        reference_cache = batch.clean_cache.clone()
+        expected = get_backend("reference").write_and_attend(
+            batch.query, *new_kv, reference_cache, batch.metadata, scale=0.25, sliding_window=window
+        )
+        out = get_backend("triton").write_and_attend(
+            batch.query, *new_kv, cache, batch.metadata, scale=0.25, sliding_window=window
+        )
+        torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0, equal_nan=True)
+        n = batch.metadata.num_actual_tokens
+        torch.testing.assert_close(out[:n], expected[:n], atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_write_kv_matches_reference(rng: random.Random, dtype: torch.dtype) -> None:
     num_blocks, block_size, num_kv_heads, head_size = 6, 16, 3, 32

@@ -80,8 +80,7 @@ class Attention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_size)
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        self.backend.write_kv(key, value, self.kv_cache, metadata.slot_mapping)
-        output = self.backend.forward(
-            query, self.kv_cache, metadata, scale=self.scale, sliding_window=self.sliding_window
+        output = self.backend.write_and_attend(
+            query, key, value, self.kv_cache, metadata, scale=self.scale, sliding_window=self.sliding_window
         )
         return output.view(num_tokens, self.num_heads * self.head_size)

@@ -40,6 +40,22 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
     ) -> torch.Tensor: ...
 
+    def write_and_attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """What a layer runs each step (vLLM's ``AttentionImpl.forward``): the step's K/V into the
+        cache, then attention. A backend that can do both in fewer launches overrides it."""
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping)
+        return self.forward(query, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
+
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 
