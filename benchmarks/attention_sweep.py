@@ -39,8 +39,12 @@ DOUBLE_BUFFERED = [Tiles(16, 128, 4, 5, True), Tiles(16, 64, 4, 5, True)]
 # Other decode shapes (16 x 64 and 16 x 32 keys, 8 warps) were 13 to 20% slower at 256 requests
 # (commit e1cdfbb, docs/benchmarks.md).
 DECODE_TILES = [Tiles(16, 128, 4, 3, True), *DOUBLE_BUFFERED]
-PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 64, 8, 2, False),
-                 Tiles(128, 64, 8, 2, False), Tiles(64, 64, 4, 3, False)]
+PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 32, 4, 3, False),
+                 Tiles(64, 16, 4, 2, False), Tiles(32, 32, 4, 2, False), Tiles(32, 64, 4, 2, False),
+                 Tiles(128, 32, 8, 2, False), Tiles(128, 32, 4, 2, False), Tiles(128, 64, 8, 3, False),
+                 Tiles(64, 64, 4, 3, False)]
+# Slower on the prefill step of main(): 64 x 64 with 8 warps (94 TFLOP/s against 172 for the shape in
+# use) and 128 x 64 with 8 warps and 2 stages (128), commit fd52638.
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 16, 8, 128
 LAYOUTS = ("tokens", "heads")  # within a page: token-major (the runner's) or KV-head-major
@@ -116,11 +120,13 @@ def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="append the results as one JSON line to this file")
+    parser.add_argument("--part", choices=("all", "decode", "prefill"), default="all")
     args = parser.parse_args()
     rng = random.Random(0)
 
     rows = []
-    for num_reqs, shortest in ((256, 100), (128, 500), (64, 800), (32, 800), (16, 800), (8, 800)):
+    decode_batches = ((256, 100), (128, 500), (64, 800), (32, 800), (16, 800), (8, 800))
+    for num_reqs, shortest in decode_batches if args.part != "prefill" else ():
         contexts = [rng.randint(shortest, 2047) for _ in range(num_reqs)]
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
         for block_size in (16, 32):
@@ -137,12 +143,13 @@ def main() -> None:
                 rows += sweep(name, decode, DOUBLE_BUFFERED, kv_bytes, "TB/s")
                 del query, kv_cache, metadata, decode
 
-    query_lens = [1024] * 16 + [1] * 64
-    context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]
-    prefill = make_step(query_lens, context_lens, "cuda", seed=1)
-    # QK^T and PV over the causal half of each prompt, every query head: 2 * 2 * D FLOPs per pair.
-    pairs = sum(q * (q + 1) // 2 + q * c for q, c in zip(query_lens, context_lens))
-    rows += sweep("prefill", prefill, PREFILL_TILES, 4 * HEAD_SIZE * NUM_HEADS * pairs, "TFLOP/s")
+    if args.part != "decode":
+        query_lens = [1024] * 16 + [1] * 64
+        context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]
+        prefill = make_step(query_lens, context_lens, "cuda", seed=1)
+        # QK^T and PV over the causal half of each prompt, every query head: 2 * 2 * D FLOPs per pair.
+        pairs = sum(q * (q + 1) // 2 + q * c for q, c in zip(query_lens, context_lens))
+        rows += sweep("prefill", prefill, PREFILL_TILES, 4 * HEAD_SIZE * NUM_HEADS * pairs, "TFLOP/s")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"benchmark": "attention_sweep", "rows": rows}) + "\n")
