@@ -5,7 +5,8 @@ This module owns the Triton kernels and the host code that sizes their grids:
 * ``_write_kv_kernel`` scatters a step's K/V rows into the paged cache through ``slot_mapping``.
 * ``_attention_kernel`` computes attention for a whole step in one launch: prefill chunks (with cached
   context before them) and decodes mixed, causal, GQA, optional sliding window, online softmax in fp32.
-  In a decode step it also stores each request's new K/V (``WRITE_KV``), so no write launch precedes it.
+  In a decode step it also stores each request's new K/V (``WRITE_KV``), so no write launch precedes it:
+  the loop reads the cached keys and the new token's key joins the softmax from registers.
   For decode-only batches with few requests it runs split-KV ("flash decoding"): several programs
   share one request's context and ``_merge_splits_kernel`` combines their partial results.
 
@@ -136,7 +137,8 @@ def _attend_tile(
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
-        visible = keys[None, :] <= q_pos[:, None]
+        # Causal, and inside the keys read: with WRITE_KV a query's own key is visible but not read here.
+        visible = (keys[None, :] <= q_pos[:, None]) & (keys < key_end)[None, :]
         if HAS_WINDOW:
             visible &= keys[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
@@ -236,14 +238,18 @@ def _attention_kernel(
     key_start = 0
     if HAS_WINDOW:
         key_start = tl.maximum(context_len + first_q - window + 1, 0)
+    # Keys read from the cache. With WRITE_KV the request's one new token, its last key, is not in
+    # the cache yet: it comes from the step's key/value rows, after the loops.
+    cache_end = key_end - 1 if WRITE_KV else key_end
     tile_begin = key_start // TILE_N
-    tile_end = tl.cdiv(key_end, TILE_N)
+    tile_end = tl.cdiv(cache_end, TILE_N)
+    cache_tile_end = tile_end
     # Tiles in [full_begin, full_end) are visible to every row (no causal or window edge inside):
     # they skip all masking. Only the first and last few tiles of a range need it.
     full_begin = tile_begin
     if HAS_WINDOW:
         full_begin = tl.cdiv(tl.maximum(key_end - window, 0), TILE_N)
-    full_end = (context_len + first_q + 1) // TILE_N
+    full_end = tl.minimum((context_len + first_q + 1) // TILE_N, cache_end // TILE_N)
     if NUM_SPLITS > 1:
         # Splits of at least MIN_SPLIT_TILES: short contexts use fewer programs (the rest exit at
         # once), so one grid serves any context length, as a captured graph needs.
@@ -252,18 +258,11 @@ def _attention_kernel(
         tile_end = tl.minimum(tile_begin + tiles_per_split, tile_end)
     full_begin = tl.minimum(tl.maximum(full_begin, tile_begin), tile_end)
     full_end = tl.minimum(tl.maximum(full_end, full_begin), tile_end)
-    if WRITE_KV:
-        # The request's one new token is its last key: the program whose tiles reach it stores the
-        # token's K/V for this KV head, and the barrier makes the store visible to the loads below.
-        slot = tl.load(slot_ptr + q_begin).to(tl.int64)
-        if (slot >= 0) & (tile_begin < tile_end) & (tile_end * TILE_N >= seq_len):
-            dst = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_tok
-            dst += kv_head.to(tl.int64) * cache_stride_head + dims
-            token_row = q_begin.to(tl.int64)
-            tl.store(k_cache_ptr + dst, tl.load(key_ptr + token_row * key_stride_t + kv_head * key_stride_h + dims))
-            tl.store(v_cache_ptr + dst,
-                     tl.load(value_ptr + token_row * value_stride_t + kv_head * value_stride_h + dims))
-        tl.debug_barrier()
+    if WRITE_KV:  # loaded before the loops, so their latency hides behind them
+        token_row = q_begin.to(tl.int64)
+        slot = tl.load(slot_ptr + token_row)
+        new_k = tl.load(key_ptr + token_row * key_stride_t + kv_head * key_stride_h + dims)
+        new_v = tl.load(value_ptr + token_row * value_stride_t + kv_head * value_stride_h + dims)
 
     # A finite floor (not -inf) keeps exp2(m_old - m_new) defined for rows that saw no key yet.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -274,22 +273,39 @@ def _attention_kernel(
     v_base = v_cache_ptr + kv_head.to(tl.int64) * cache_stride_head
     for tile in range(tile_begin, full_begin):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, key_end, window,
+            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
             scale_log2, cache_stride_block, cache_stride_tok,
             BLOCK_SIZE, TILE_N, HEAD_SIZE, True, HAS_WINDOW, DOT_PRECISION,
         )
     for tile in range(full_begin, full_end):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, key_end, window,
+            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
             scale_log2, cache_stride_block, cache_stride_tok,
             BLOCK_SIZE, TILE_N, HEAD_SIZE, False, HAS_WINDOW, DOT_PRECISION,
         )
     for tile in range(full_end, tile_end):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, key_end, window,
+            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
             scale_log2, cache_stride_block, cache_stride_tok,
             BLOCK_SIZE, TILE_N, HEAD_SIZE, True, HAS_WINDOW, DOT_PRECISION,
         )
+
+    # The new token's key, in the program whose range ends the cached keys (split 0 when none is
+    # cached): one more online-softmax column, then its K/V go to the cache for later steps.
+    if WRITE_KV:
+        if (tile_end == cache_tile_end) & ((tile_begin < tile_end) | (split == 0)):
+            s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale_log2
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.math.exp2(m_i - m_new)
+            p_new = tl.math.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
+            m_i = m_new
+            if slot >= 0:
+                dst = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_tok
+                dst += kv_head.to(tl.int64) * cache_stride_head + dims
+                tl.store(k_cache_ptr + dst, new_k)
+                tl.store(v_cache_ptr + dst, new_v)
 
     # l_i is 0 only for rows that saw no key (padding rows, empty splits): emit 0, not NaN.
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -461,8 +477,10 @@ class TritonBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Decode steps store their new K/V inside the attention launch (one launch per layer fewer;
-        on the H200 the separate write took 1.4 to 1.7 us per layer of a decode step); steps with
-        longer queries write first, since a query block reads keys other programs would write."""
+        on the H200 the separate write took 1.4 to 1.7 us per layer of a decode step). Storing it
+        first and reading it back behind a barrier cost more than that at 256 requests (169.4
+        against 166.0 us per launch, commit 8e3ac9d), so the new key joins from registers. Steps
+        with longer queries write first: a query block reads keys that other programs write."""
         if metadata.max_query_len != 1:
             return super().write_and_attend(query, key, value, kv_cache, metadata, scale=scale,
                                             sliding_window=sliding_window)
