@@ -196,7 +196,9 @@ class ModelRunner:
             return DeviceStepOutput(req_ids, np.empty(0, np.int64), np.empty(0, np.int64), None, self.input_batch)
         inputs = self._prepare_inputs(plan, req_ids)
         hidden_states = self._run_model(inputs)
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        if len(inputs.sample_rows) < inputs.num_tokens:  # else every token samples (decodes): no gather
+            hidden_states = hidden_states[inputs.logits_indices]
+        logits = self.model.compute_logits(hidden_states)
         batch = self.input_batch
         sample_rows = inputs.batch_rows[inputs.sample_rows]
         sampled = self.sampler(logits, inputs.sampling_metadata)
