@@ -3,14 +3,12 @@
     python benchmarks/attention_sweep.py [--json results.jsonl]
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
-100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer), each under
-the tile shape in use and the double-buffered shapes, with pages of 16 and 32 tokens laid out as the
-runner does (a page holds token after token, each token its KV heads side by side) and head-major
-(a page holds each KV head's tokens together, so a program reads one contiguous run per page; the
-kernel reads the cache through its strides, so only the view differs); the batches of 64 or fewer
-under every split count (flash-decoding programs per request and KV head; "auto" is the backend's own
-choice); and a prefill step (16 prompts of 1,024 tokens beside 64 decodes) under every prefill tile
-shape. Decode batches come in the runner's order (``decode_order``, longest context first).
+100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer) under the
+decode tile shape, timed as layers run them (``write_and_attend``: the new keys join in the
+attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
+per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
+1,024 tokens beside 64 decodes) under every prefill tile shape, attention alone. Decode batches
+come in the runner's order (``decode_order``, longest context first).
 Qwen3-0.6B's attention: 16 query heads, 8 KV heads of 128, bf16, pages in random order. Each tile
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
 CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as the engine runs decodes: timed
@@ -32,13 +30,12 @@ from micro_vllm.attention.attention import AttentionMetadata
 from micro_vllm.attention.operators import triton_attn
 
 Tiles = triton_attn._Tiles
-# Five stages are the fewest at which the compiler keeps two K and two V buffers (the block-table load
-# takes a stage of its own; tests/hopper_compile.py's machinery, 2026-11-29): loads stay in flight while
-# a program computes, which matters most where few programs share an SM.
-DOUBLE_BUFFERED = [Tiles(16, 128, 4, 5, True), Tiles(16, 64, 4, 5, True)]
-# Other decode shapes (16 x 64 and 16 x 32 keys, 8 warps) were 13 to 20% slower at 256 requests
-# (commit e1cdfbb, docs/benchmarks.md).
-DECODE_TILES = [Tiles(16, 128, 4, 3, True), *DOUBLE_BUFFERED]
+# The decode shape in use. Others lost at 256 requests: 16 x 64 and 16 x 32 keys, 8 warps (13 to 20%
+# slower, commit e1cdfbb); five stages, where the compiler keeps two K and two V buffers, lost at
+# every batch size (2 to 59% slower, fd52638). Pages of 32 tokens, and pages holding each KV head's
+# tokens together, were within 0.6% from 32 to 256 requests and 1.5% faster to 8% slower at 8 and 16
+# (fd52638). docs/benchmarks.md.
+DECODE_TILES = [Tiles(16, 128, 4, 3, True)]
 PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 32, 4, 3, False),
                  Tiles(64, 16, 4, 2, False), Tiles(32, 32, 4, 2, False), Tiles(32, 64, 4, 2, False),
                  Tiles(128, 32, 8, 2, False), Tiles(128, 32, 4, 2, False), Tiles(128, 64, 8, 3, False),
@@ -46,19 +43,15 @@ PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(6
 # Slower on the prefill step of main(): 64 x 64 with 8 warps (94 TFLOP/s against 172 for the shape in
 # use) and 128 x 64 with 8 warps and 2 stages (128), commit fd52638.
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
-NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 16, 8, 128
-LAYOUTS = ("tokens", "heads")  # within a page: token-major (the runner's) or KV-head-major
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
 
-def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype=torch.bfloat16, seed: int = 0,
-              block_size: int = 16, layout: str = "tokens"):
-    """A step's query, paged K/V cache and metadata: request i has ``context_lens[i]`` cached tokens
-    and ``query_lens[i]`` new ones, its pages scattered over the cache. The cache is always indexed
-    [K/V, page, token, KV head, dim]; with ``layout="heads"`` it is a view of memory ordered
-    [K/V, page, KV head, token, dim]."""
+def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype=torch.bfloat16, seed: int = 0):
+    """A step's query, paged K/V cache, metadata and new K/V rows: request i has ``context_lens[i]``
+    cached tokens and ``query_lens[i]`` new ones, its pages scattered over the cache."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-    pages_per_req = [-(-n // block_size) for n in seq_lens]
+    pages_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(pages_per_req) + 1
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 stays the null block
     table = torch.zeros(len(seq_lens), max(pages_per_req), dtype=torch.int32)
@@ -66,11 +59,10 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
     for i, n in enumerate(pages_per_req):
         table[i, :n] = torch.tensor(order[start : start + n], dtype=torch.int32)
         start += n
-    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
-    if layout == "heads":
-        kv_cache = kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    new_kv = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)  # the step's own K/V
     query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
     metadata = AttentionMetadata(
@@ -79,20 +71,25 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens_t,
     )
-    return query.to(device), kv_cache.to(device), metadata
+    return query.to(device), kv_cache.to(device), metadata, new_kv.to(device)
 
 
 def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Tensor:
-    """The backend's forward with ``tiles`` and ``num_splits`` forced (None: the backend's choice)."""
-    query, kv_cache, metadata = step
+    """The backend's attention with ``tiles`` and ``num_splits`` forced (None: the backend's choice):
+    a decode step as layers run it, its new keys taken in the attention launch (no slot is written:
+    the sweep's slots are all padding); other steps' attention alone, without the write launch."""
+    query, kv_cache, metadata, new_kv = step
     pick, splits = triton_attn._pick_tiles, triton_attn._num_splits
     if tiles is not None:
         triton_attn._pick_tiles = lambda *args: tiles
     if num_splits is not None:
         triton_attn._num_splits = lambda *args: num_splits
     try:
-        return triton_attn.TritonBackend().forward(query, kv_cache, metadata, scale=HEAD_SIZE**-0.5,
-                                                   sliding_window=None)
+        backend = triton_attn.TritonBackend()
+        if metadata.max_query_len == 1:
+            return backend.write_and_attend(query, *new_kv, kv_cache, metadata, scale=HEAD_SIZE**-0.5,
+                                            sliding_window=None)
+        return backend.forward(query, kv_cache, metadata, scale=HEAD_SIZE**-0.5, sliding_window=None)
     finally:
         triton_attn._pick_tiles, triton_attn._num_splits = pick, splits
 
@@ -111,7 +108,7 @@ def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split
             rate = work / (ms * 1e-3) / 1e12
             rows.append({"batch": name, "tiles": tiles._asdict(), "splits": num_splits, "ms": ms, unit: rate,
                          "max_abs_diff": error})
-            print(f"{name:24s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
+            print(f"{name:10s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
                   f"{tiles.num_stages} splits {num_splits or 'auto'}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  "
                   f"max |diff| {error:.1e}")
     return rows
@@ -128,20 +125,14 @@ def main() -> None:
     decode_batches = ((256, 100), (128, 500), (64, 800), (32, 800), (16, 800), (8, 800))
     for num_reqs, shortest in decode_batches if args.part != "prefill" else ():
         contexts = [rng.randint(shortest, 2047) for _ in range(num_reqs)]
+        query, kv_cache, metadata, new_kv = make_step([1] * num_reqs, contexts, "cuda")
+        order = torch.argsort(-metadata.seq_lens.long(), stable=True).to(torch.int32)  # as the runner orders
+        decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order), new_kv)
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
-        for block_size in (16, 32):
-            for layout in LAYOUTS:
-                query, kv_cache, metadata = make_step([1] * num_reqs, contexts, "cuda", block_size=block_size,
-                                                      layout=layout)
-                order = torch.argsort(-metadata.seq_lens.long(), stable=True).to(torch.int32)  # as the runner
-                decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order))
-                name = f"decode {num_reqs} {layout} {block_size}"
-                # Splits only where (request, KV head) pairs alone leave SMs idle: with 128 requests
-                # or more two splits were slower or within 1.1% (e1cdfbb).
-                splits = SPLITS if num_reqs <= 64 and (block_size, layout) == (16, "tokens") else (None,)
-                rows += sweep(name, decode, DECODE_TILES[:1], kv_bytes, "TB/s", splits)
-                rows += sweep(name, decode, DOUBLE_BUFFERED, kv_bytes, "TB/s")
-                del query, kv_cache, metadata, decode
+        # Splits only where (request, KV head) pairs alone leave SMs idle: with 128 requests or more
+        # two splits were slower or within 1.1% (e1cdfbb).
+        splits = SPLITS if num_reqs <= 64 else (None,)
+        rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES, kv_bytes, "TB/s", splits)
 
     if args.part != "decode":
         query_lens = [1024] * 16 + [1] * 64
