@@ -64,9 +64,16 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     finfo = torch.finfo(want.dtype)
     # An ulp of a normal number x is at most eps * |x|; atol covers the subnormal range.
     torch.testing.assert_close(got, want, rtol=2 * finfo.eps, atol=2 * finfo.smallest_normal * finfo.eps)
-    # The rare ulp is allowed, a systematic one (say, truncating instead of rounding) is not.
-    off = int((got != want).sum())
-    assert off <= 2 + want.numel() // 1000, f"{off} of {want.numel()} elements differ"
+    assert_rare_ulps(got, want)
+
+
+def assert_rare_ulps(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The rare ulp is allowed, a systematic one (say, truncating instead of rounding: about half of
+    every row) is not. Counted per row: a row's scalar (its RMS) an fp32 ulp off moves the few of
+    its elements that sit at a rounding edge, up to 4 of 1,024 in 3,200 fp16 rows drawn as the
+    tests draw them (seeds 0 to 399, 2026-11-30)."""
+    off = (got != want).reshape(-1, want.shape[-1]).sum(dim=1)
+    assert (off <= 4 + want.shape[-1] // 100).all(), f"{off.max()} of a row's {want.shape[-1]} elements differ"
 
 
 def assert_rotation_matches(got: torch.Tensor, want: torch.Tensor, rotated: torch.Tensor, head_size: int) -> None:
@@ -80,8 +87,7 @@ def assert_rotation_matches(got: torch.Tensor, want: torch.Tensor, rotated: torc
     first, second = heads.abs().chunk(2, dim=-1)
     scale = (first + second).repeat(1, 1, 2).flatten(-2)  # output i and i + half mix the same pair
     assert ((got.float() - want.float()).abs() <= 2 * torch.finfo(want.dtype).eps * scale).all()
-    off = int((got != want).sum())
-    assert off <= 2 + want.numel() // 1000, f"{off} of {want.numel()} elements differ"
+    assert_rare_ulps(got, want)
 
 
 def random_norm(hidden: int, dtype: torch.dtype, device: str = "cpu") -> RMSNorm:
