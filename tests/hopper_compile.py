@@ -151,7 +151,7 @@ def main() -> int:
         attention_launches(torch.bfloat16, group, window, num_splits)
     attention_launches(torch.float32, 2, None, 1)  # fp32 dots ("ieee") take another code path
     for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype
-        triton_sampler.gumbel_sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64))
+        triton_sampler.sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64))
     print(f"{len(compiled)} kernel variants compiled for sm_90")
     return 0
 

@@ -428,7 +428,7 @@ def test_chunked_prefill_and_prefix_caching_keep_greedy_outputs(family, model_di
 @pytest.mark.parametrize("filters", [dict(top_p=0.9, top_k=20), {}], ids=["top-k-top-p", "temperature-only"])
 def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs, filters):
     """Same seed, same tokens, alone or in any batch, on the GPU sampler with CUDA graphs. With
-    temperature only, the request alone takes the sampler kernel's one-pass route and in the crowd
+    temperature only, the request alone takes the sampler kernels' unfiltered route and in the crowd
     (which has top-k / top-p rows) the filtered route: the draws must agree. In fp32: a seeded
     request cannot be more reproducible than its logits, and in bf16 those may differ in the last
     bit with the batch's shape (GEMM kernels chosen by the number of rows, graph padding); fp32

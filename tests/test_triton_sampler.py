@@ -1,6 +1,7 @@
-"""The one-pass Triton sampler against the definition: greedy rows are torch.argmax (ties included),
-random rows follow softmax(logits / T), and a row's draw depends only on its seed. On CPU under
-TRITON_INTERPRET=1 (conftest), small vocabularies."""
+"""The Triton sampler against the definition: greedy rows are torch.argmax (ties included), random
+rows follow softmax(logits / T) (the chunk by its mass, then the token inside it), -inf tokens are
+never drawn, and a row's draw depends only on its seed. On CPU under TRITON_INTERPRET=1 (conftest),
+small vocabularies; small chunk sizes make a few tokens span several chunks."""
 
 import math
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
-from micro_vllm.sampling.triton_sampler import gumbel_sample
+from micro_vllm.sampling.triton_sampler import sample
 
 
 def assert_follows(counts: torch.Tensor, logits: torch.Tensor, temperature: float, top_k: int | None = None) -> None:
@@ -30,27 +31,31 @@ def assert_follows(counts: torch.Tensor, logits: torch.Tensor, temperature: floa
     assert not within(probabilities(1.0)).all(), "the draws cannot tell this temperature from 1"
 
 
+def small_chunks(monkeypatch, chunk: int, block: int) -> None:
+    from micro_vllm.sampling import triton_sampler
+
+    monkeypatch.setattr(triton_sampler, "_CHUNK", chunk)
+    monkeypatch.setattr(triton_sampler, "_BLOCK", block)
+
+
 def test_greedy_rows_are_torch_argmax_with_ties_to_the_lowest_index():
     torch.manual_seed(0)
     logits = torch.randn(6, 300)
     logits[1, [7, 250]] = 9.0  # a tie inside one block
     logits[2, :] = 1.0  # all equal: index 0
     logits = logits.to(torch.bfloat16)
-    tokens = gumbel_sample(logits, torch.zeros(6), torch.arange(6, dtype=torch.int64))
+    tokens = sample(logits, torch.zeros(6), torch.arange(6, dtype=torch.int64))
     assert tokens.tolist() == logits.float().argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("chunk, block", [(256, 64), (64, 32)])
 def test_ties_across_blocks_and_chunks_keep_the_first(monkeypatch, chunk, block):
-    from micro_vllm.sampling import triton_sampler
-
-    monkeypatch.setattr(triton_sampler, "_CHUNK", chunk)
-    monkeypatch.setattr(triton_sampler, "_BLOCK", block)
+    small_chunks(monkeypatch, chunk, block)
     logits = torch.zeros(3, 200)
     logits[0, [10, 150]] = 5.0
     logits[1, [70, 190]] = 5.0
     logits[2, [40, 41]] = 5.0
-    assert gumbel_sample(logits, torch.zeros(3), torch.zeros(3, dtype=torch.int64)).tolist() == [10, 70, 40]
+    assert sample(logits, torch.zeros(3), torch.zeros(3, dtype=torch.int64)).tolist() == [10, 70, 40]
 
 
 def test_random_rows_follow_the_softmax():
@@ -59,8 +64,43 @@ def test_random_rows_follow_the_softmax():
     vocab, draws, temperature = 12, 800, 0.7
     row = torch.linspace(-4.0, 4.0, vocab)
     logits = row.repeat(draws, 1)
-    tokens = gumbel_sample(logits, torch.full((draws,), temperature), torch.arange(draws, dtype=torch.int64) * 7919)
+    tokens = sample(logits, torch.full((draws,), temperature), torch.arange(draws, dtype=torch.int64) * 7919)
     assert_follows(torch.bincount(tokens, minlength=vocab).double(), row, temperature)
+
+
+def test_the_chunk_is_drawn_by_its_softmax_mass(monkeypatch):
+    """Four chunks of 4 tokens, read 2 at a time, at temperature 0.4: the row's highest token is alone
+    in chunk 0 (31% of the mass), four lower ones share chunk 1 (59%), chunk 2 holds the rest and
+    chunk 3 is all -inf. Picking the chunk with the highest token, picking chunks uniformly, or
+    weighting each chunk's sum without bringing it to the row's maximum would each put a chunk's
+    count far outside its mass."""
+    small_chunks(monkeypatch, 4, 2)
+    draws, temperature, inf = 800, 0.4, float("inf")
+    row = torch.tensor([-inf, 0.5, -inf, -inf, 0.2, 0.2, 0.2, 0.2, -1.5, -0.8, -0.6, -0.1, -inf, -inf, -inf, -inf])
+    tokens = sample(row.repeat(draws, 1), torch.full((draws,), temperature),
+                    torch.arange(draws, dtype=torch.int64) * 104729 + 3)
+    counts = torch.bincount(tokens, minlength=16).double()
+    assert counts[row == -inf].sum() == 0
+    assert_follows(counts, row, temperature)
+    chunk_counts = counts.view(4, 4).sum(dim=1)
+    chunk_mass = torch.softmax(row.double() / temperature, dim=0).view(4, 4).sum(dim=1)
+    sd = (draws * chunk_mass * (1 - chunk_mass)).sqrt()
+    assert ((chunk_counts - draws * chunk_mass).abs() <= 5 * sd + 1).all(), (chunk_counts / draws, chunk_mass)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.05, 1.0, 5.0])
+def test_minus_inf_tokens_are_never_drawn(monkeypatch, temperature):
+    """Five chunks of 64 tokens, most of them -inf: row 0 has one finite token (far below 0, in the
+    fourth chunk), the others a few spread over chunks 0, 2 and 4; every seed draws among them only."""
+    small_chunks(monkeypatch, 64, 32)
+    rows, inf = 48, float("inf")
+    logits = torch.full((rows, 300), -inf)
+    logits[0, 250] = -60.0
+    allowed = [3, 130, 131, 299]
+    logits[1:, allowed] = torch.tensor([-1.0, 2.0, 2.0, 0.5])
+    tokens = sample(logits, torch.full((rows,), temperature), torch.arange(rows, dtype=torch.int64) * 31 + 1)
+    assert tokens[0].item() == 250
+    assert set(tokens[1:].tolist()) <= set(allowed)
 
 
 def test_a_rows_draw_depends_only_on_its_seed():
@@ -68,20 +108,20 @@ def test_a_rows_draw_depends_only_on_its_seed():
     logits = torch.randn(5, 50)
     temperature = torch.full((5,), 1.0)
     seeds = torch.tensor([11, 22, 33, 44, 55])
-    tokens = gumbel_sample(logits, temperature, seeds)
+    tokens = sample(logits, temperature, seeds)
     # The same row alone, or among other rows in another order, draws the same token.
-    assert gumbel_sample(logits[3:4], temperature[:1], seeds[3:4]).tolist() == tokens[3:4].tolist()
+    assert sample(logits[3:4], temperature[:1], seeds[3:4]).tolist() == tokens[3:4].tolist()
     order = torch.tensor([4, 3, 0])
-    assert gumbel_sample(logits[order], temperature[order], seeds[order]).tolist() == tokens[order].tolist()
+    assert sample(logits[order], temperature[order], seeds[order]).tolist() == tokens[order].tolist()
     # Other seeds, other draws (for some row, almost surely).
-    assert gumbel_sample(logits, temperature, seeds + 1).tolist() != tokens.tolist()
+    assert sample(logits, temperature, seeds + 1).tolist() != tokens.tolist()
 
 
 @pytest.mark.parametrize("temperature", [1e-4, 0.05])
 def test_a_low_temperature_is_nearly_greedy(temperature):
     torch.manual_seed(2)
     logits = torch.randn(8, 100) * 3
-    tokens = gumbel_sample(logits, torch.full((8,), temperature), torch.arange(8, dtype=torch.int64))
+    tokens = sample(logits, torch.full((8,), temperature), torch.arange(8, dtype=torch.int64))
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
@@ -92,7 +132,7 @@ def _kernel_metadata(temperature, seeds, top_k=None, top_p=None) -> SamplingMeta
 
 def test_a_row_draws_the_same_token_beside_filtered_rows():
     """A batch with a top-k row goes through the Sampler's filter first; the other rows must keep
-    the draw they get from the one-pass route (same scores, same seeds), greedy rows their argmax."""
+    the draw they get from the unfiltered route (same scores, same seeds), greedy rows their argmax."""
     torch.manual_seed(3)
     logits = (torch.randn(17, 300) * 2).to(torch.bfloat16)
     temperature = torch.rand(17) + 0.5
@@ -152,15 +192,27 @@ class TestOnGpu:
         """The benchmark's shape: 256 rows of bf16 logits over 151,936 tokens."""
         logits = torch.randn(256, 151936, device="cuda").to(torch.bfloat16)
         seeds = torch.randint(0, 2**62, (256,), device="cuda")
-        greedy = gumbel_sample(logits, torch.zeros(256, device="cuda"), seeds)
+        greedy = sample(logits, torch.zeros(256, device="cuda"), seeds)
         assert greedy.tolist() == logits.float().argmax(dim=-1).tolist()
         temperature = torch.full((256,), 0.6, device="cuda")
-        tokens = gumbel_sample(logits, temperature, seeds)
-        assert gumbel_sample(logits[100:101], temperature[:1], seeds[100:101]).item() == tokens[100].item()
+        tokens = sample(logits, temperature, seeds)
+        assert sample(logits[100:101], temperature[:1], seeds[100:101]).item() == tokens[100].item()
 
     def test_random_rows_follow_the_softmax(self):
         vocab, draws, temperature = 12, 200_000, 0.7
         row = torch.linspace(-2.0, 1.5, vocab, device="cuda")
         seeds = torch.randint(0, 2**62, (draws,), device="cuda")
-        tokens = gumbel_sample(row.repeat(draws, 1), torch.full((draws,), temperature, device="cuda"), seeds)
+        tokens = sample(row.repeat(draws, 1), torch.full((draws,), temperature, device="cuda"), seeds)
         assert_follows(torch.bincount(tokens, minlength=vocab).double().cpu(), row.cpu(), temperature)
+
+    def test_random_rows_follow_the_softmax_across_chunks(self):
+        """The same 12 tokens 1,000 apart in a vocabulary of 12,000 (six chunks), the rest -inf: the
+        chunk step at the real chunk size."""
+        vocab, spacing, draws, temperature = 12, 1000, 50_000, 0.7
+        row = torch.linspace(-2.0, 1.5, vocab, device="cuda")
+        logits = torch.full((draws, vocab * spacing), float("-inf"), device="cuda")
+        logits[:, ::spacing] = row
+        seeds = torch.randint(0, 2**62, (draws,), device="cuda")
+        tokens = sample(logits, torch.full((draws,), temperature, device="cuda"), seeds)
+        assert (tokens % spacing == 0).all()
+        assert_follows(torch.bincount(tokens // spacing, minlength=vocab).double().cpu(), row.cpu(), temperature)

@@ -1,7 +1,7 @@
 """The one switch between PyTorch code and the Triton kernels that replace it on CUDA.
 
-Two kernel modules: the layers' fused elementwise ops (``layers/triton_ops.py``) and the one-pass
-sampler (``sampling/triton_sampler.py``). CUDA tensors take them when Triton is installed;
+Two kernel modules: the layers' fused elementwise ops (``layers/triton_ops.py``) and the sampler
+(``sampling/triton_sampler.py``). CUDA tensors take them when Triton is installed;
 everything else runs the PyTorch code they are tested against. Setting a module to None here turns
 it off everywhere at once (the benchmark's same-run "before").
 """
@@ -25,5 +25,5 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
 
 
 def fused_sampler(device: torch.device) -> ModuleType | None:
-    """The one-pass sampler for logits on ``device``, or None when they take the PyTorch sampler."""
+    """The Triton sampler for logits on ``device``, or None when they take the PyTorch sampler."""
     return triton_sampler if device.type == "cuda" else None

@@ -3,9 +3,9 @@
 Greedy rows take the argmax. Random rows are scaled by temperature, filtered by top-k / top-p, and
 drawn with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no cumulative sums and
 lets each seeded row draw its noise from its own generator, so its tokens do not depend on the batch.
-On CUDA every batch that samples draws with the one-pass Triton sampler instead
-(``triton_sampler.py``: Gumbel-max with a Philox seed per row, so the same independence holds); a
-batch with top-k / top-p rows filters the scaled logits here first.
+On CUDA every batch that samples draws with the Triton sampler instead (``triton_sampler.py``: a
+chunk of the vocabulary by its softmax mass, then Gumbel-max inside it, with a Philox seed per row,
+so the same independence holds); a batch with top-k / top-p rows filters the scaled logits here first.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool  # no greedy row: the argmax of the raw logits is not needed
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its seeded generator
-    # int64 [n], one Philox seed per row: set when the batch draws with the one-pass Triton sampler
-    # (on CUDA), which then replaces the generators.
+    # int64 [n], one Philox seed per row: set when the batch draws with the Triton sampler (on CUDA),
+    # which then replaces the generators.
     seeds: torch.Tensor | None = None
 
 
@@ -53,16 +53,17 @@ class Sampler:
             return logits.argmax(dim=-1)
         filtered = metadata.top_k is not None or metadata.top_p is not None
         if metadata.seeds is not None and not filtered:
-            return fused.triton_sampler.gumbel_sample(logits, metadata.temperature, metadata.seeds)
+            return fused.triton_sampler.sample(logits, metadata.temperature, metadata.seeds)
         logits = logits.float()  # the model's dtype; softmax and the noise want fp32
         temperature = metadata.temperature
-        scaled = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
+        # Times the reciprocal, as the Triton sampler scales a row: both routes give it the same scores.
+        scaled = logits * torch.where(temperature > 0, 1 / temperature, 1.0).unsqueeze(-1)
         if filtered:
             scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
         if metadata.seeds is not None:
             # Already scaled: temperature 1 keeps a row's scores, and so its draw, those of the
             # unfiltered path above (a greedy row's argmax survives any filter).
-            return fused.triton_sampler.gumbel_sample(scaled, (temperature > 0).float(), metadata.seeds)
+            return fused.triton_sampler.sample(scaled, (temperature > 0).float(), metadata.seeds)
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():

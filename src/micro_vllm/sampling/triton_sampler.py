@@ -1,18 +1,25 @@
-"""Sampling in one pass over the logits on CUDA (Triton): the Gumbel-max trick.
+"""Sampling on CUDA in two Triton kernels: a pass that only reads the logits, then a small draw.
 
-``argmax(logits / T + G)`` with ``G = -log(-log(U))`` draws from ``softmax(logits / T)``; a greedy
-row (``T == 0``) takes the plain argmax, ties to the lowest index as ``torch.argmax`` does. The
-PyTorch sampler makes about five passes over the logits (scale, softmax, noise, divide, argmax);
-this reads them once. ``U`` comes from Triton's Philox generator keyed by a per-row seed and the
-vocabulary index, so a row's draw depends only on its seed: the runner derives it from the request's
-seed and output position (or from the engine's stream for unseeded rows), which keeps seeded
-requests independent of the batch.
+A random row draws from ``softmax(logits / T)`` in two steps: a chunk of the vocabulary, with
+probability its share of the softmax mass, then a token of that chunk by the Gumbel-max trick.
+P(chunk) * P(token | chunk) is the softmax exactly (up to fp32 rounding), and random numbers are
+needed for one chunk per row only. Gumbel-max over the whole row, which this replaces, spent about
+100 instructions per token (a Philox draw, two logarithms, a division) and was bound by them, not by
+memory; the reading pass's loop compiles to about 13 per token (sm_90).
 
-Each row is cut into chunks of ``_CHUNK`` tokens, one program each, so a batch of a few rows still
-fills the GPU; a chunk's best (score, index) goes to a small buffer whose argmax over chunks (first
-wins ties, and chunks are in vocabulary order) picks the token. Top-k / top-p need a sort: the
-Sampler masks the scaled logits in PyTorch and passes them here with temperature 1. The scaling
-divides (``div_rn``, as PyTorch does), so both routes give a row the same scores and the same draw.
+``_chunk_stats_kernel`` (rows x chunks) keeps per chunk the maximum of the base-2 score
+``x * (1 / T) * log2(e)`` and the sum of ``exp2(score - max)``, rescaled once per block (online
+softmax); for a greedy row (``T == 0``) the argmax of ``x``, ties to the lowest index as
+``torch.argmax``. ``_pick_token_kernel`` (one program per row): a greedy row takes the argmax of the
+first chunk that holds its maximum; a random row draws a chunk by weight ``sum * exp2(max - row max)``
+and runs Gumbel-max over its tokens. The noise is Philox keyed by the row's seed (counter 0 for the
+chunk, 1 + i for token i), so a row's draw depends only on its seed and logits: the runner derives
+the seed from the request's seed and output position, which keeps seeded requests independent of
+the batch.
+
+Top-k / top-p need a sort: the Sampler masks the scaled logits in PyTorch (``-inf`` tokens are never
+drawn) and passes them here with temperature 1. Both sides scale by the correctly rounded ``1 / T``,
+so both routes give a row the same scores and the same draw.
 """
 
 from __future__ import annotations
@@ -23,77 +30,138 @@ import triton.language as tl
 
 from micro_vllm.triton_interpreter import interpreted, patch_triton_interpreter
 
-_CHUNK = 8192  # tokens per program: 19 chunks for Qwen3's 151,936-token vocabulary
-_BLOCK = 2048  # tokens per loop iteration of a program
+# Qwen3's 151,936 tokens make 75 chunks of 2,048: two rows give the H200's 132 SMs 150 programs, and
+# the draw's Gumbel pass over one chunk is 16 tokens per thread (4 warps). Chunks of 4,096 (38 per
+# row) would need four rows to fill the SMs and double that pass.
+_CHUNK = 2048
+_BLOCK = 1024  # tokens per loop iteration: 8 per thread, one 16-byte load of bf16
 
 
 @triton.jit
-def _fold_block(best, best_index, logits_row, start, u, vocab_size, temperature, greedy, SIZE: tl.constexpr):
-    """Fold the ``SIZE`` tokens from ``start`` (noise ``u``) into the per-lane running best: no
-    reduction across lanes here, so no barrier per block."""
-    cols = start + tl.arange(0, SIZE)
-    valid = cols < vocab_size
-    x = tl.load(logits_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    if greedy:
-        score = x
-    else:
-        score = tl.div_rn(x, temperature) - tl.log(-tl.log(u))
-    better = valid & (score > best)  # strict: a lane keeps its earliest token on a tie
-    return tl.where(better, score, best), tl.where(better, cols, best_index)
+def _scaled_score(logits_row, cols, end, inverse_temperature):
+    """Base-2 scores ``x / T * log2(e)`` of the tokens ``cols`` before ``end`` (-inf past it); the
+    product ``x * (1 / T)`` is the Sampler's own scaling, so a pre-scaled row keeps its scores."""
+    x = tl.load(logits_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+    return x * inverse_temperature * 1.4426950408889634
 
 
 @triton.jit
-def _gumbel_argmax_kernel(best_ptr, best_index_ptr, logits_ptr, logits_stride, temperature_ptr, seed_ptr,
-                          vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_stats_kernel(chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_ptr, logits_stride, temperature_ptr,
+                        vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    temperature = tl.load(temperature_ptr + row)
-    seed = tl.load(seed_ptr + row)
-    greedy = temperature == 0
-    temperature = tl.where(greedy, 1.0, temperature)
     logits_row = logits_ptr + row * logits_stride
-    QUARTER: tl.constexpr = BLOCK // 4
     first = chunk * CHUNK
-    best = tl.full([QUARTER], float("-inf"), tl.float32)
-    best_index = tl.zeros([QUARTER], dtype=tl.int32) + first
-    for start in range(first, tl.minimum(first + CHUNK, vocab_size), BLOCK):
-        # One Philox call yields four numbers: counter start / 4 + j feeds token start + j of
-        # each quarter of the block (a quarter of the generator's work of one call per token).
-        # Quarters go in token order, so each lane sees its tokens in increasing order.
-        u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + tl.arange(0, QUARTER))
-        best, best_index = _fold_block(best, best_index, logits_row, start, u0, vocab_size, temperature, greedy,
-                                       QUARTER)
-        best, best_index = _fold_block(best, best_index, logits_row, start + QUARTER, u1, vocab_size, temperature,
-                                       greedy, QUARTER)
-        best, best_index = _fold_block(best, best_index, logits_row, start + 2 * QUARTER, u2, vocab_size,
-                                       temperature, greedy, QUARTER)
-        best, best_index = _fold_block(best, best_index, logits_row, start + 3 * QUARTER, u3, vocab_size,
-                                       temperature, greedy, QUARTER)
-    chunk_best = tl.max(best, 0)
-    # The lowest token among the lanes that reach the maximum, as torch.argmax breaks ties.
-    chunk_index = tl.min(tl.where(best == chunk_best, best_index, vocab_size), 0)
-    tl.store(best_ptr + row * num_chunks + chunk, chunk_best)
-    tl.store(best_index_ptr + row * num_chunks + chunk, chunk_index)
+    end = tl.minimum(first + CHUNK, vocab_size)
+    out = row * num_chunks + chunk
+    temperature = tl.load(temperature_ptr + row)
+    if temperature == 0:
+        # Per-lane running best, no reduction across lanes per block: a lane sees its tokens in
+        # increasing order and keeps the first on a tie (strict >).
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_index = tl.zeros([BLOCK], dtype=tl.int32) + first
+        for start in range(first, end, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(logits_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+            better = x > best
+            best, best_index = tl.where(better, x, best), tl.where(better, cols, best_index)
+        chunk_max = tl.max(best, 0)
+        tl.store(chunk_max_ptr + out, chunk_max)
+        tl.store(chunk_argmax_ptr + out, tl.min(tl.where(best == chunk_max, best_index, vocab_size), 0))
+    else:
+        inverse_temperature = tl.div_rn(1.0, temperature)  # correctly rounded, as PyTorch's 1 / T
+        chunk_max = float("-inf")
+        total = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, relative to chunk_max
+        for start in range(first, end, BLOCK):
+            score = _scaled_score(logits_row, start + tl.arange(0, BLOCK), end, inverse_temperature)
+            new_max = tl.maximum(chunk_max, tl.max(score, 0))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf block adds exp2(-inf) = 0
+            total = total * tl.exp2(chunk_max - shift) + tl.exp2(score - shift)
+            chunk_max = new_max
+        tl.store(chunk_max_ptr + out, chunk_max)
+        tl.store(chunk_sum_ptr + out, tl.sum(total, 0))
 
 
-if interpreted(_gumbel_argmax_kernel):  # TRITON_INTERPRET=1: tests on CPU
+@triton.jit
+def _pick_chunk(chunk_max_ptr, chunk_sum_ptr, stats, num_chunks, seed, CHUNKS: tl.constexpr):
+    """The chunk a random row draws from: chunk c with probability ``sum_c * exp2(max_c - max)`` over
+    the total (0 for an all -inf chunk), the first whose cumulative weight passes ``u * total``.
+    Rounding may leave ``u * total`` at or past the last sum: then the last chunk of nonzero weight,
+    so a chunk of weight 0 is never picked."""
+    chunks = tl.arange(0, CHUNKS)
+    in_row = chunks < num_chunks
+    chunk_max = tl.load(chunk_max_ptr + stats + chunks, mask=in_row, other=float("-inf"))
+    chunk_sum = tl.load(chunk_sum_ptr + stats + chunks, mask=in_row, other=0.0)
+    row_max = tl.max(chunk_max, 0)
+    weight = chunk_sum * tl.exp2(chunk_max - row_max)
+    target = tl.rand(seed, tl.full([], 0, tl.int32)) * tl.sum(weight, 0)
+    drawable = weight > 0
+    last = tl.max(tl.where(drawable, chunks, 0), 0)
+    return tl.min(tl.where(drawable & (tl.cumsum(weight, 0) > target), chunks, last), 0)
+
+
+@triton.jit
+def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_ptr, logits_stride,
+                       temperature_ptr, seed_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                       CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    stats = row * num_chunks
+    temperature = tl.load(temperature_ptr + row)
+    if temperature == 0:
+        # The argmax of the first chunk that holds the row's maximum, as torch.argmax breaks ties.
+        chunks = tl.arange(0, CHUNKS)
+        in_row = chunks < num_chunks
+        chunk_max = tl.load(chunk_max_ptr + stats + chunks, mask=in_row, other=float("-inf"))
+        first_best = tl.min(tl.where(in_row & (chunk_max == tl.max(chunk_max, 0)), chunks, CHUNKS), 0)
+        token = tl.load(chunk_argmax_ptr + stats + first_best)
+    else:
+        seed = tl.load(seed_ptr + row)
+        chunk = _pick_chunk(chunk_max_ptr, chunk_sum_ptr, stats, num_chunks, seed, CHUNKS)
+        inverse_temperature = tl.div_rn(1.0, temperature)
+        logits_row = logits_ptr + row * logits_stride
+        first = chunk * CHUNK
+        end = tl.minimum(first + CHUNK, vocab_size)
+        # Gumbel-max in base 2 over the chunk: argmax(score - log2(-log2(U))) is a draw from
+        # softmax(score * ln 2) (the ln 2 between log2 and ln shifts every token alike).
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_index = tl.zeros([BLOCK], dtype=tl.int32) + first
+        for start in range(first, end, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            noise = -tl.log2(-tl.log2(tl.rand(seed, cols + 1)))
+            score = _scaled_score(logits_row, cols, end, inverse_temperature) + noise
+            better = score > best  # strict: -inf tokens never win, and a lane keeps its first on a tie
+            best, best_index = tl.where(better, score, best), tl.where(better, cols, best_index)
+        token = tl.min(tl.where(best == tl.max(best, 0), best_index, vocab_size), 0)
+    tl.store(token_ptr + row, token.to(tl.int64))
+
+
+if interpreted(_chunk_stats_kernel):  # TRITON_INTERPRET=1: tests on CPU
     patch_triton_interpreter()
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``logits`` [n, vocab]: greedy where ``temperature`` is 0, else a draw
-    from ``softmax(logits / temperature)`` keyed by the row's int64 ``seeds``."""
+def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One int64 token per row of ``logits`` [n, vocab]: greedy where ``temperature`` is 0, else a
+    draw from ``softmax(logits / temperature)`` keyed by the row's int64 ``seeds``."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
     chunk = min(_CHUNK, triton.next_power_of_2(vocab_size))
-    block = max(min(_BLOCK, chunk), 4)
+    block = min(_BLOCK, chunk)
     num_chunks = triton.cdiv(vocab_size, chunk)
-    best = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-    best_index = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    device = logits.device
+    # Per (row, chunk): a greedy row fills the maximum and the argmax, a random row the maximum and the sum.
+    chunk_max = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=device)
+    chunk_sum = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=device)
+    chunk_argmax = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=device)
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows:
-        _gumbel_argmax_kernel[(num_rows, num_chunks)](
-            best, best_index, logits, logits.stride(0), temperature.to(torch.float32), seeds, vocab_size,
-            num_chunks, CHUNK=chunk, BLOCK=block,
+        temperature = temperature.to(torch.float32)
+        _chunk_stats_kernel[(num_rows, num_chunks)](
+            chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, vocab_size, num_chunks,
+            CHUNK=chunk, BLOCK=block,
         )
-    return best_index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
+        _pick_token_kernel[(num_rows,)](
+            tokens, chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, seeds, vocab_size,
+            num_chunks, CHUNK=chunk, BLOCK=block, CHUNKS=triton.next_power_of_2(num_chunks),
+        )
+    return tokens

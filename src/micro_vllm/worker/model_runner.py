@@ -386,7 +386,7 @@ class ModelRunner:
         return metadata
 
     def _takes_sampler_kernel(self, metadata: SamplingMetadata) -> bool:
-        """CUDA batches that sample draw with the one-pass Triton sampler."""
+        """CUDA batches that sample draw with the Triton sampler."""
         return fused_sampler(self.device) is not None and not metadata.all_greedy
 
     # -- CUDA graphs ---------------------------------------------------------------------------
@@ -485,8 +485,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, [metadata] * len(self.model.attention_layers()))
         logits = self.model.compute_logits(hidden[query_start_loc[1:].to(self.device).long() - 1])
         # Both routes a sampling batch can take, as the runner's metadata sends it: with top-k / top-p
-        # (the sort is the sampler's largest buffer) and without, so the sampler kernel's variants
-        # (model-dtype and fp32 logits) compile here. A fresh Sampler keeps the engine's stream untouched.
+        # (the sort is the sampler's largest buffer) and without, so the variants of both sampler
+        # kernels (model-dtype and fp32 logits) compile here. A fresh Sampler keeps the engine's stream
+        # untouched.
         temperature = torch.ones(num_reqs, device=self.device)
         top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=self.device)
         top_p = torch.full((num_reqs,), 0.9, device=self.device)
