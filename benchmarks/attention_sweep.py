@@ -36,12 +36,12 @@ Tiles = triton_attn._Tiles
 # tokens together, were within 0.6% from 32 to 256 requests and 1.5% faster to 8% slower at 8 and 16
 # (fd52638). docs/benchmarks.md.
 DECODE_TILES = [Tiles(16, 128, 4, 3, True)]
-PREFILL_TILES = [Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 2, False), Tiles(64, 32, 4, 3, False),
+PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 3, False),
                  Tiles(64, 16, 4, 2, False), Tiles(32, 32, 4, 2, False), Tiles(32, 64, 4, 2, False),
                  Tiles(128, 32, 8, 2, False), Tiles(128, 32, 4, 2, False), Tiles(128, 64, 8, 3, False),
                  Tiles(64, 64, 4, 3, False)]
-# Slower on the prefill step of main(): 64 x 64 with 8 warps (94 TFLOP/s against 172 for the shape in
-# use) and 128 x 64 with 8 warps and 2 stages (128), commit fd52638.
+# Slower on the prefill step of main(): 64 x 64 with 8 warps (94 TFLOP/s against 172 for 64 x 64 with
+# 4) and 128 x 64 with 8 warps and 2 stages (128), commit fd52638.
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 

@@ -386,12 +386,12 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     if max_query_len != 1 or device.type != "cuda":
         return 1
     # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of K/V
-    # tiles in shared memory, by tests/hopper_compile.py); with more (request, KV head) pairs than
-    # that, splitting only adds the merge. On the H200 eight per SM was slower at 8 requests (20.0
-    # against 15.2 us per layer), and with the runner's order and this grid two splits were slower
-    # at 64, 128 and 256 requests and within 1.1% at 32 (benchmarks/attention_sweep.py;
-    # docs/benchmarks.md).
-    per_pair = 2 * _num_sms(device) // (num_reqs * num_kv_heads)
+    # tiles in shared memory, by tests/hopper_compile.py), rounding the share of each pair up: with
+    # 2 * SMs or more (request, KV head) pairs, splitting only adds the merge. On the H200 eight per
+    # SM was slower at 8 requests (20.0 against 15.2 us per layer); two splits were slower at 64, 128
+    # and 256 requests and faster at 32, where 256 pairs fall just short of 264 (55.3 against 57.7
+    # us, and 55.9 against 57.2 in an earlier call; benchmarks/attention_sweep.py, docs/benchmarks.md).
+    per_pair = -(-2 * _num_sms(device) // (num_reqs * num_kv_heads))
     if per_pair < 2:
         return 1
     return min(_MAX_SPLITS, 1 << (per_pair.bit_length() - 1))  # a power of two: fewer compiled variants
@@ -415,7 +415,9 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
     """
     if max_query_len * group <= 16:  # then max_query_len <= 16 // group, the tile's query tokens
         return _Tiles(16, 128, 4, 3, one_qblock_per_req=True)
-    return _Tiles(max(64, triton.next_power_of_2(group)), 64, 4, 2, one_qblock_per_req=False)
+    # 32 keys per step: on the sweep's prefill step 378.3 against 407.5 us for 64 keys (and 384.1
+    # against 403.8 in an earlier call); the nine other shapes timed were slower.
+    return _Tiles(max(64, triton.next_power_of_2(group)), 32, 4, 2, one_qblock_per_req=False)
 
 
 @register_backend("triton")
