@@ -38,11 +38,30 @@ _BLOCK = 1024  # tokens per loop iteration: 8 per thread, one 16-byte load of bf
 
 
 @triton.jit
+def _load_logits(logits_row, cols, end):
+    """The logits of the tokens ``cols`` before ``end`` in fp32, -inf past it."""
+    return tl.load(logits_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
 def _scaled_score(logits_row, cols, end, inverse_temperature):
     """Base-2 scores ``x / T * log2(e)`` of the tokens ``cols`` before ``end`` (-inf past it); the
     product ``x * (1 / T)`` is the Sampler's own scaling, so a pre-scaled row keeps its scores."""
-    x = tl.load(logits_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
-    return x * inverse_temperature * 1.4426950408889634
+    return _load_logits(logits_row, cols, end) * inverse_temperature * 1.4426950408889634
+
+
+@triton.jit
+def _keep_best(best, best_index, score, cols):
+    """Fold a block into the per-lane running best, no reduction across lanes: a lane sees its tokens
+    in increasing order and keeps the first on a tie (strict >), and a -inf score never wins."""
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, cols, best_index)
+
+
+@triton.jit
+def _first_best(best, best_index, vocab_size):
+    """The lowest token among the lanes that reach the maximum, as torch.argmax breaks ties."""
+    return tl.min(tl.where(best == tl.max(best, 0), best_index, vocab_size), 0)
 
 
 @triton.jit
@@ -56,18 +75,13 @@ def _chunk_stats_kernel(chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_p
     out = row * num_chunks + chunk
     temperature = tl.load(temperature_ptr + row)
     if temperature == 0:
-        # Per-lane running best, no reduction across lanes per block: a lane sees its tokens in
-        # increasing order and keeps the first on a tie (strict >).
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_index = tl.zeros([BLOCK], dtype=tl.int32) + first
         for start in range(first, end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(logits_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
-            better = x > best
-            best, best_index = tl.where(better, x, best), tl.where(better, cols, best_index)
-        chunk_max = tl.max(best, 0)
-        tl.store(chunk_max_ptr + out, chunk_max)
-        tl.store(chunk_argmax_ptr + out, tl.min(tl.where(best == chunk_max, best_index, vocab_size), 0))
+            best, best_index = _keep_best(best, best_index, _load_logits(logits_row, cols, end), cols)
+        tl.store(chunk_max_ptr + out, tl.max(best, 0))
+        tl.store(chunk_argmax_ptr + out, _first_best(best, best_index, vocab_size))
     else:
         inverse_temperature = tl.div_rn(1.0, temperature)  # correctly rounded, as PyTorch's 1 / T
         chunk_max = float("-inf")
@@ -129,9 +143,8 @@ def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr
             cols = start + tl.arange(0, BLOCK)
             noise = -tl.log2(-tl.log2(tl.rand(seed, cols + 1)))
             score = _scaled_score(logits_row, cols, end, inverse_temperature) + noise
-            better = score > best  # strict: -inf tokens never win, and a lane keeps its first on a tie
-            best, best_index = tl.where(better, score, best), tl.where(better, cols, best_index)
-        token = tl.min(tl.where(best == tl.max(best, 0), best_index, vocab_size), 0)
+            best, best_index = _keep_best(best, best_index, score, cols)
+        token = _first_best(best, best_index, vocab_size)
     tl.store(token_ptr + row, token.to(tl.int64))
 
 
