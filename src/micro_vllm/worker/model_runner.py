@@ -270,8 +270,7 @@ class ModelRunner:
             input_ids=self._input_ids(rows, query_start_loc, num_tokens),
             positions=self.positions.copy_to_device(num_tokens),
             attn_metadata=self._attention_metadata(
-                num_reqs, num_tokens, int(num_scheduled.max()), int(seq_lens.max()), num_cols,
-                ordered=num_tokens == num_reqs,
+                num_reqs, num_tokens, int(num_scheduled.max()), int(seq_lens.max()), num_cols
             ),
             logits_indices=self.logits_indices.copy_to_device(num_samples),
             sample_rows=sample_rows,
@@ -299,14 +298,14 @@ class ModelRunner:
         return input_ids
 
     def _attention_metadata(
-        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, num_cols: int, ordered: bool
+        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, num_cols: int
     ) -> list[AttentionMetadata]:
         """Copy the staged step inputs to the device and wrap them per KV cache group; a decode step
-        (``ordered``) also gets its requests ordered longest context first."""
+        (one token per request) also gets its requests ordered longest context first."""
         query_start_loc = self.query_start_loc.copy_to_device(num_reqs + 1)
         seq_lens = self.seq_lens.copy_to_device(num_reqs)
         decode_order = None
-        if ordered:
+        if num_tokens == num_reqs:
             self.decode_order.np[:num_reqs] = np.argsort(-self.seq_lens.np[:num_reqs], kind="stable")
             decode_order = self.decode_order.copy_to_device(num_reqs)
         per_group = [
@@ -456,7 +455,7 @@ class ModelRunner:
         compiled when their graphs are captured. The largest step also leaves the allocator holding
         blocks of a full step's activation sizes: in a process whose warm-up step had 4,096 tokens,
         the first timed recipe run spent 0.39 s in its nine 16,384-token prefill steps and a second
-        run 0.29 s (H200, 5794f63)."""
+        run 0.29 s (H200, 5794f63). Whether this warm-up closes that gap is not measured yet."""
         settings = self.settings
         self._dummy_step(profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
                                             settings.max_model_len))
