@@ -35,6 +35,10 @@ class LLM:
         self.config = config
         self.engine: Engine | None = Engine(config)
         self._request_counter = itertools.count()
+        # One generate() at a time: calls from several threads wait for each other.
+        self._generate_lock = threading.Lock()
+        self._generating_thread: int | None = None
+        self._shutdown_requested = False
         # abort_request may come from another thread while generate() runs; generate() applies the
         # aborts between steps, so the engine itself is only ever touched by generate's thread.
         self._abort_lock = threading.Lock()
@@ -54,8 +58,28 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         All prompts are checked before any is queued, so a bad one raises without touching the others.
+        If anything raises once they run (an error in a step, a KeyboardInterrupt, ``shutdown()``
+        from another thread), every request of the call is aborted and the error propagates; outputs
+        of the call are lost, and the LLM stays usable: the same prompts then give the same tokens
+        as in a fresh LLM. Calls from several threads run one after another.
         """
-        engine = self._engine()
+        with self._generate_lock:
+            engine = self._engine()
+            self._generating_thread = threading.get_ident()
+            try:
+                return self._run(engine, prompts, sampling_params, use_tqdm)
+            except BaseException:
+                engine.abort_all_requests()  # this call's requests are all the engine holds
+                raise
+            finally:
+                self._generating_thread = None
+                with self._abort_lock:
+                    self._in_flight.clear()
+                    self._pending_aborts.clear()
+                if self._shutdown_requested:
+                    self._close()
+
+    def _run(self, engine: Engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         requests = [engine.make_request(str(next(self._request_counter)), p, sp) for p, sp in zip(prompts, params)]
@@ -65,11 +89,12 @@ class LLM:
         with self._abort_lock:
             self._in_flight = set(order)
         results: list[RequestOutput | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
-        try:
+        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while engine.has_unfinished_requests():
+                if self._shutdown_requested:
+                    raise RuntimeError("LLM.shutdown() was called while generate() ran; its requests were aborted")
                 outputs = self._apply_aborts(engine)
                 if engine.has_unfinished_requests():
                     outputs += engine.step()
@@ -83,15 +108,6 @@ class LLM:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, decode {decode_tokens / elapsed:.0f} tok/s",
                                     refresh=False)
-        except BaseException:
-            for request in requests:  # leave the engine clean for the next call
-                engine.abort_request(request.request_id)
-            raise
-        finally:
-            bar.close()
-            with self._abort_lock:
-                self._in_flight.clear()
-                self._pending_aborts.clear()
         return results
 
     def abort_request(self, request_id: str) -> bool:
@@ -118,8 +134,10 @@ class LLM:
         """Forget every cached prompt prefix, as vLLM's ``LLM.reset_prefix_cache`` does: later
         requests compute their prompts in full (a benchmark that must not hit an earlier run's
         cache, say). Call it between ``generate`` calls, when no request holds KV blocks; otherwise
-        it changes nothing and returns False."""
-        return self._engine().reset_prefix_cache()
+        it changes nothing and returns False. Called while another thread's ``generate`` runs, it
+        waits for that call to end."""
+        with self._generate_lock:
+            return self._engine().reset_prefix_cache()
 
     def chat(
         self,
@@ -140,9 +158,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        """Release the engine. A ``generate`` running in another thread stops before its next step
+        with a RuntimeError (its requests aborted) and shutdown waits for that; called from inside
+        ``generate`` (a callback), it takes effect when that call ends."""
+        self._shutdown_requested = True
+        if self._generating_thread == threading.get_ident():
+            return
+        with self._generate_lock:
+            self._close()
 
     def __enter__(self) -> LLM:
         return self
@@ -156,8 +179,13 @@ class LLM:
             aborts, self._pending_aborts = self._pending_aborts, []
         return [out for out in map(engine.abort_request, aborts) if out is not None]
 
+    def _close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
     def _engine(self) -> Engine:
-        if self.engine is None:
+        if self.engine is None or self._shutdown_requested:
             raise RuntimeError("this LLM was shut down")
         return self.engine
 

@@ -131,6 +131,24 @@ class BlockPool:
         self.prefix_cache.insert(block, block_hash, group_id)
         self._record("cached", [block.block_id], request_id)
 
+    def uncache(self, block: KVCacheBlock, key: tuple[bytes, int]) -> None:
+        """Forget that ``block`` holds the K/V of ``key`` (a failed step may not have computed them);
+        nothing happens if the block was reused meanwhile."""
+        if block.block_hash == key:
+            self.prefix_cache.evict(block)
+            self._record("evicted", [block.block_id], None)
+
+    def free_all(self) -> None:
+        """Return every block to a free queue built anew, once no request holds any (after a failed
+        step, which may have stopped in the middle of updating the queue or the prefix cache).
+        Uncached blocks come first, so cached ones are evicted last."""
+        held = [block.block_id for block in self.blocks[1:] if block.ref_cnt]
+        for block in self.blocks:
+            block.ref_cnt = 0
+        self.prefix_cache.drop_stale()
+        self.free_queue = FreeKVCacheBlockQueue(sorted(self.blocks[1:], key=lambda b: b.block_hash is not None))
+        self._record("freed", held, None)
+
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
         return self.prefix_cache.get(block_hash, group_id)
 

@@ -54,21 +54,25 @@ class SingleTypeKVCacheManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> list[KVCacheBlock]:
         """Hash the blocks that ``num_tokens`` fills; they are full and never written again. A block
-        that ends in a token still in flight is hashed at a later step, once its id is known."""
+        that ends in a token still in flight is hashed at a later step, once its id is known.
+        Returns the blocks hashed now."""
         num_full = num_tokens // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:  # most decode steps fill no block
-            return
+            return []
         block_hashes = update_block_hashes(request, self.block_size)
         num_full = min(num_full, len(block_hashes))
         blocks = self.req_to_blocks[request.request_id]
+        hashed = []
         for i in range(start, num_full):
             block = blocks[i]
             if not block.is_null and block.block_hash is None:
                 self.block_pool.cache_full_block(block, block_hashes[i], self.group_id, request.request_id)
+                hashed.append(block)
         self.num_cached_blocks[request.request_id] = num_full
+        return hashed
 
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, [])

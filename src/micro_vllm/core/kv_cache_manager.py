@@ -3,10 +3,16 @@
 Layers with the same attention spec form a group; one ``SingleTypeKVCacheManager`` per group keeps
 that group's block tables, and this class coordinates them over one shared ``BlockPool`` (vLLM's
 KVCacheCoordinator and KVCacheManager in one place).
+
+A block's hash is registered when the step that computes it is planned, so later requests, in that
+very step or the next, reuse it: the device computes a step's K/V before any later read. Until the
+step's output is applied the hash is unconfirmed; if the step fails, ``reset`` forgets it, since the
+K/V may never have been written.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from micro_vllm.attention.spec import AttentionSpec
@@ -42,6 +48,9 @@ class KVCacheManager:
         self.managers = [make_manager(g.spec, self.block_pool, block_size, i) for i, g in enumerate(groups)]
         self._no_hit: BlocksPerGroup = [[] for _ in groups]  # read only
         self._no_block_ids: BlockIds = ((),) * len(groups)
+        # Per planned step whose output is not applied yet, oldest first: the blocks it hashed, with
+        # their hash.
+        self.unconfirmed: deque[list[tuple[KVCacheBlock, tuple[bytes, int]]]] = deque()
 
     @property
     def num_free_blocks(self) -> int:
@@ -103,10 +112,38 @@ class KVCacheManager:
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Make the full blocks among the first ``num_computed_tokens`` tokens reusable."""
+        """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
+        are computed by the step planned last, which confirms them."""
         if self.enable_caching:
             for manager in self.managers:
-                manager.cache_blocks(request, num_computed_tokens)
+                hashed = manager.cache_blocks(request, num_computed_tokens)
+                if hashed and self.unconfirmed:
+                    self.unconfirmed[-1].extend((block, block.block_hash) for block in hashed)
+
+    def start_step(self) -> None:
+        """A step is being planned: record the hashes it registers until its output is applied."""
+        self.unconfirmed.append([])
+
+    def cancel_step(self) -> None:
+        """The step just planned schedules nothing (so it hashed nothing): no output confirms it."""
+        self.unconfirmed.pop()
+
+    def confirm_step(self) -> None:
+        """The oldest planned step's output is applied: the K/V it computed exist."""
+        self.unconfirmed.popleft()
+
+    def reset(self) -> None:
+        """Forget every request and free every block after a failed step, and forget the hashes of
+        the steps not confirmed. Built anew, not undone step by step: the failure may have stopped
+        any update half-way."""
+        for manager in self.managers:
+            manager.req_to_blocks.clear()
+            manager.num_cached_blocks.clear()
+        for hashed in self.unconfirmed:
+            for block, key in hashed:
+                self.block_pool.uncache(block, key)
+        self.unconfirmed.clear()
+        self.block_pool.free_all()
 
     def to_block_ids(self, blocks_per_group: BlocksPerGroup) -> BlockIds:
         """The ids of ``allocate_slots``' new blocks, as the plan carries them."""

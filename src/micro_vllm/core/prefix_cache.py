@@ -66,6 +66,11 @@ class PrefixCache:
         block.block_hash = (block_hash, group_id)
         self._table.setdefault((block_hash, group_id), block)
 
+    def drop_stale(self) -> None:
+        """Forget entries whose block no longer carries their hash (an eviction that was stopped
+        half-way), so a lookup never returns a block that will be written with other tokens."""
+        self._table = {key: block for key, block in self._table.items() if block.block_hash == key}
+
     def clear(self) -> None:
         self._table.clear()
 

@@ -65,6 +65,19 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def reset(self) -> list[Request]:
+        """Abort every unfinished request after a failed step and return them: every block is free
+        again, and the hashes of the steps whose output was never applied are forgotten."""
+        aborted = list(self.requests.values())
+        for request in aborted:
+            request.status = RequestStatus.FINISHED_ABORTED
+        self.requests.clear()
+        self.waiting.clear()
+        self.running.clear()
+        self.finished_req_ids.clear()  # the runner forgets every request too
+        self.kv_cache_manager.reset()
+        return aborted
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -76,6 +89,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(self.config.max_num_batched_tokens)
+        self.kv_cache_manager.start_step()
         self._schedule_running(step)
         # Admitting requests right after preempting others would only thrash the cache.
         if not step.preempted:
@@ -89,6 +103,8 @@ class Scheduler:
             preempted_req_ids=frozenset(r.request_id for r in step.preempted),
         )
         self.finished_req_ids.clear()
+        if plan.is_empty:
+            self.kv_cache_manager.cancel_step()
         return plan
 
     def _schedule_running(self, step: _StepBuilder) -> None:
@@ -154,6 +170,8 @@ class Scheduler:
 
         With async scheduling a later step may already be planned: a request that stops here was
         planned once more, and that step's token for it is dropped (it is gone from ``requests``)."""
+        if output.req_ids:  # an empty plan has nothing to confirm
+            self.kv_cache_manager.confirm_step()
         finished = []
         for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(request_id)

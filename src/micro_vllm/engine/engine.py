@@ -5,6 +5,10 @@ step loop: plan -> execute -> update. It owns no scheduling or device logic itse
 
 With async scheduling (the default) each step launches its plan and then applies the results of the
 step before it, so the host plans step N+1 while the device still runs step N.
+
+A step that raises, wherever and whatever (KeyboardInterrupt included), fails every unfinished
+request, as vLLM fails the requests of an engine that dies; unlike vLLM's, this engine then goes on
+as a fresh one would (``abort_all_requests``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
         self.in_flight: deque[AsyncModelRunnerOutput] = deque()
+        self._in_step = False  # set while a step runs; still set after a failed step's rollback failed
         self.prompts: dict[str, str | None] = {}
         self.last_step_stats = StepStats(0, 0)
         self.tracer: Tracer | None = None
@@ -95,6 +100,7 @@ class Engine:
         return request
 
     def add_request(self, request: Request) -> None:
+        self._finish_rollback()
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
         self.scheduler.add_request(request)
@@ -117,10 +123,35 @@ class Engine:
     # -- the step loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Launch one step and apply the results that are due; return the requests that finished."""
+        """Launch one step and apply the results that are due; return the requests that finished.
+
+        If anything raises inside the step, every unfinished request is aborted without an output
+        (``abort_all_requests``) and the exception propagates; the engine stays usable."""
+        self._finish_rollback()
+        self._in_step = True
+        try:
+            outputs = self._traced_step(self.tracer) if self.tracer is not None else self._execute(self._schedule())
+        except BaseException:
+            self.abort_all_requests()
+            raise
+        self._in_step = False
+        return outputs
+
+    def abort_all_requests(self) -> None:
+        """Abort every unfinished request, discard the steps in flight, and forget the prefix-cache
+        hashes of every step whose output was not applied (its K/V may never have been computed);
+        the runner forgets every request too. What a failed step does: afterwards nothing runs,
+        every KV block is free, and the engine gives a fresh engine's outputs."""
+        self.prompts.clear()
+        if not (self._in_step or self.in_flight or self.scheduler.has_unfinished_requests()):
+            return  # nothing ran since the last step completed: nothing to roll back
+        self.in_flight.clear()
+        aborted = self.scheduler.reset()
+        self.executor.reset_batch()
+        self._in_step = False
         if self.tracer is not None:
-            return self._traced_step(self.tracer)
-        return self._execute(self._schedule())
+            for request in aborted:
+                self.tracer.record_abort(request.request_id, self.scheduler.kv_cache_manager.num_free_blocks)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -129,6 +160,11 @@ class Engine:
             self.tracer = None
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _finish_rollback(self) -> None:
+        """Roll back a step whose rollback was itself interrupted (a second Ctrl-C, say)."""
+        if self._in_step:
+            self.abort_all_requests()
 
     def _schedule(self) -> SchedulerOutput:
         plan = self.scheduler.schedule()

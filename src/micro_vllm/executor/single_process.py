@@ -30,5 +30,9 @@ class SingleProcessExecutor:
     def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
         return self.worker.execute_model(plan)
 
+    def reset_batch(self) -> None:
+        """Make the worker forget every request (after a failed step)."""
+        self.worker.reset_batch()
+
     def shutdown(self) -> None:
         self.worker = None

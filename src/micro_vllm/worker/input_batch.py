@@ -31,6 +31,11 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.req_ids)
 
+    def clear(self) -> None:
+        """Drop every row; ``add_request`` writes all of a row's fields again."""
+        self.req_ids.clear()
+        self.row_of.clear()
+
     def add_request(self, new: NewRequestData) -> None:
         row = len(self.req_ids)
         self.req_ids.append(new.req_id)

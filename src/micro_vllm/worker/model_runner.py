@@ -120,7 +120,11 @@ class ModelRunner:
     def __init__(self, settings: RunnerSettings, model_path, hf_config) -> None:
         self.settings = settings
         self.device = settings.device
-        self.model = load_model(model_path, hf_config, settings.dtype, settings.device, settings.attention_backend)
+        # Building the modules draws their initial weights (overwritten by the checkpoint) from
+        # torch's global RNG: the caller's RNG state must not change.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self.model = load_model(model_path, hf_config, settings.dtype, settings.device,
+                                    settings.attention_backend)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(settings.seed))
         self.seed_stream = np.random.default_rng(settings.seed)  # per-row seeds of the Triton sampler
         self.layer_group: list[int] = []  # decoder layer -> its KV cache group
@@ -186,6 +190,12 @@ class ModelRunner:
             self.capture_cuda_graphs()
 
     # -- one step ------------------------------------------------------------------------------
+
+    def reset_batch(self) -> None:
+        """Forget every request after a failed step: the persistent batch empties, and the tokens
+        of the last step launched (which the scheduler will never see) are not read by the next."""
+        self.input_batch.clear()
+        self.last_output = None
 
     @torch.inference_mode()
     def execute_model(self, plan: SchedulerOutput) -> DeviceStepOutput:
@@ -489,14 +499,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[query_start_loc[1:].to(self.device).long() - 1])
         # Both routes a sampling batch can take, as the runner's metadata sends it: with top-k / top-p
         # (the sort is the sampler's largest buffer) and without, so the variants of both sampler
-        # kernels (model-dtype and fp32 logits) compile here. A fresh Sampler keeps the engine's stream
-        # untouched.
+        # kernels (model-dtype and fp32 logits) compile here. A Sampler with a generator of its own
+        # keeps the engine's stream and torch's global one untouched.
         temperature = torch.ones(num_reqs, device=self.device)
         top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=self.device)
         top_p = torch.full((num_reqs,), 0.9, device=self.device)
         seeds = torch.zeros(num_reqs, dtype=torch.int64, device=self.device) if fused_sampler(self.device) else None
+        sampler = Sampler(torch.Generator(device=self.device))
         for filters in ((top_k, top_p), (None, None)):
-            Sampler()(logits, SamplingMetadata(temperature, *filters, all_greedy=False, all_random=True, seeds=seeds))
+            sampler(logits, SamplingMetadata(temperature, *filters, all_greedy=False, all_random=True, seeds=seeds))
 
 
 def profile_query_lens(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> np.ndarray:

@@ -59,7 +59,6 @@ class Worker:
         device = resolve_device(model_config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        torch.manual_seed(model_config.seed)
         backend = resolve_attention_backend(model_config.attention_backend, device)
         # Graphs need a backend that reads step sizes from the device, not from the host.
         use_graphs = device.type == "cuda" and not model_config.enforce_eager and get_backend(backend).cuda_graph_safe
@@ -113,3 +112,6 @@ class Worker:
 
     def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
         return self.model_runner.execute_model(plan)
+
+    def reset_batch(self) -> None:
+        self.model_runner.reset_batch()
