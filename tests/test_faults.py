@@ -1,0 +1,285 @@
+"""Faults never corrupt: whatever raises inside a step (an exception or a KeyboardInterrupt, at any
+stage, at any step), the engine aborts the call's requests, frees every block, forgets the prefix-cache
+hashes of K/V the failed steps never computed, and then gives exactly a fresh engine's outputs.
+
+Tiny random models on CPU (fp32, sdpa), prefix caching on and a cache small enough to preempt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import micro_vllm
+from core_helpers import FakeRunner, check_all_free, make_request, make_scheduler, token_ids
+from micro_vllm import LLM, SamplingParams
+from micro_vllm.worker.model_runner import DeviceStepOutput
+from tiny_models import make_tiny_model
+
+FAMILY = "qwen3_sliding"  # two KV cache groups, one of them a sliding window
+SHARED = [(i * 53 + 7) % 250 for i in range(14)]
+# Shared prefixes (hits within a call and across calls), lengths that cross block boundaries.
+PROMPTS = [SHARED + [1, 2, 3], SHARED + [9], SHARED[:9], [(i * 31) % 250 for i in range(19)], SHARED + [1, 2, 3, 4]]
+PARAMS = [
+    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+]
+# A cache of 14 usable blocks of 4 cannot hold all five requests at once: they preempt each other.
+SETTINGS = dict(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=15)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Tiny matmuls gain nothing from threads; on a small shared CPU spinning threads slow every step.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(FAMILY, tmp_path_factory.mktemp("models"))
+
+
+def make_llm(path, **overrides) -> LLM:
+    return LLM(model=str(path), device="cpu", dtype="float32", attention_backend="sdpa", **{**SETTINGS, **overrides})
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """A fresh engine's tokens for PROMPTS; the run must preempt for the tests to mean anything."""
+    llm = make_llm(model_dir)
+    preempted = []
+    schedule = llm.engine.scheduler.schedule
+
+    def logged_schedule():
+        plan = schedule()
+        preempted.extend(plan.preempted_req_ids)
+        return plan
+
+    llm.engine.scheduler.schedule = logged_schedule
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert preempted, "the cache must be small enough to preempt"
+    return token_ids(outputs)
+
+
+@pytest.fixture(scope="module")
+def llms(model_dir):
+    """One LLM per scheduling mode, shared by every example: faults pile up on the same engine."""
+    return {async_scheduling: make_llm(model_dir, async_scheduling=async_scheduling) for async_scheduling in (True, False)}
+
+
+def check_nothing_left(llm: LLM) -> None:
+    """No request, block, in-flight step, unconfirmed hash, runner row or prompt record is left."""
+    engine = llm.engine
+    check_all_free(engine.scheduler)
+    assert not engine.scheduler.finished_req_ids
+    assert not engine.scheduler.kv_cache_manager.unconfirmed
+    assert not engine.in_flight and not engine.prompts
+    runner = engine.executor.worker.model_runner
+    assert len(runner.input_batch) == 0 and not runner.input_batch.row_of
+    assert runner.last_output is None
+
+
+def inject(patch: pytest.MonkeyPatch, owner, name: str, at_call: int, error: type[BaseException]) -> None:
+    """Make ``owner.name`` raise ``error`` on its ``at_call``-th call (counting from 0)."""
+    original = getattr(owner, name)
+    calls = itertools.count()
+
+    def faulty(*args, **kwargs):
+        if next(calls) == at_call:
+            raise error(f"injected into {name}")
+        return original(*args, **kwargs)
+
+    patch.setattr(owner, name, faulty)
+
+
+def stage_target(llm: LLM, stage: str):
+    """The object and attribute that a fault at ``stage`` replaces."""
+    engine = llm.engine
+    runner = engine.executor.worker.model_runner
+    return {
+        "schedule": (engine.scheduler, "schedule"),
+        "allocate_slots": (engine.scheduler.kv_cache_manager, "allocate_slots"),  # in the middle of a plan
+        "update_states": (runner, "_update_states"),  # before the runner applied the plan
+        "prepare_inputs": (runner, "_prepare_inputs"),
+        "layer_0": (runner.model.model.layers[0], "forward"),
+        "layer_1": (runner.model.model.layers[1], "forward"),
+        "sampler": (runner, "sampler"),
+        "get_output": (DeviceStepOutput, "get_output"),
+        "update_from_output": (engine.scheduler, "update_from_output"),
+        "make_output": (engine, "_make_output"),  # detokenization
+        "tokenizer_decode": (engine.tokenizer, "decode"),
+    }[stage]
+
+
+STAGES = ("schedule", "allocate_slots", "update_states", "prepare_inputs", "layer_0", "layer_1", "sampler",
+          "get_output", "update_from_output", "make_output", "tokenizer_decode")
+
+
+@settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    stage=st.sampled_from(STAGES),
+    at_call=st.integers(0, 40),
+    error=st.sampled_from([RuntimeError, KeyboardInterrupt]),
+    async_scheduling=st.booleans(),
+)
+def test_a_fault_at_any_stage_of_any_step_leaves_the_engine_correct(llms, expected, stage, at_call, error,
+                                                                     async_scheduling):
+    llm = llms[async_scheduling]
+    assert llm.reset_prefix_cache()  # each example starts from the same state, so failures replay
+    with pytest.MonkeyPatch.context() as patch:
+        inject(patch, *stage_target(llm, stage), at_call, error)
+        try:
+            outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        except error as raised:
+            assert "injected" in str(raised)
+            check_nothing_left(llm)
+        else:  # the run had fewer calls than at_call
+            assert token_ids(outputs) == expected
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+    check_all_free(llm.engine.scheduler)
+
+
+def test_a_failed_step_does_not_poison_the_prefix_cache(model_dir, expected):
+    """A step's blocks are hashed when it is planned; if the step fails before computing their K/V,
+    a request with the same prefix must not reuse them."""
+    llm = make_llm(model_dir)
+    runner = llm.engine.executor.worker.model_runner
+    with pytest.MonkeyPatch.context() as patch:
+        inject(patch, runner.model.model.layers[0], "forward", 0, RuntimeError)  # the very first step
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert token_ids(outputs) == expected
+    assert outputs[0].num_cached_tokens == 0  # as in a fresh engine: nothing was computed before
+
+
+def test_steps_that_fail_before_the_runner_applies_the_plan_leave_no_rows(model_dir, expected):
+    """More failed steps than the runner has rows, each after a plan admitted requests."""
+    llm = make_llm(model_dir)
+    runner = llm.engine.executor.worker.model_runner
+    for _ in range(2 * SETTINGS["max_num_seqs"] + 1):
+        with pytest.MonkeyPatch.context() as patch:
+            inject(patch, runner, "_update_states", 1, RuntimeError)
+            with pytest.raises(RuntimeError, match="injected"):
+                llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        check_nothing_left(llm)
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+
+
+def test_failed_steps_keep_the_hashes_of_confirmed_steps():
+    """In the core: a reset forgets the hashes of steps whose output was never applied, and keeps
+    those of steps that completed, so a later request still hits them."""
+    for async_scheduling, expected_hit in ((True, 0), (False, 8)):
+        scheduler = make_scheduler(block_size=4)
+        runner = FakeRunner(scheduler, async_scheduling=async_scheduling)
+        scheduler.add_request(make_request(list(range(12))))
+        runner.step()  # plans and computes the whole prompt; with async scheduling not applied yet
+        assert len(scheduler.kv_cache_manager.unconfirmed) == (1 if async_scheduling else 0)
+        [aborted] = scheduler.reset()
+        assert aborted.finish_reason == "abort"
+        check_all_free(scheduler)
+        assert not scheduler.kv_cache_manager.unconfirmed
+        _, hit = scheduler.kv_cache_manager.get_computed_blocks(make_request(list(range(12))))
+        assert hit == expected_hit
+
+
+def test_rejected_calls_leave_no_records(model_dir):
+    llm = make_llm(model_dir)
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            llm.generate([[1, 2, 3], []], use_tqdm=False)  # the second prompt is empty
+    check_nothing_left(llm)
+
+
+# -- a real Ctrl-C -------------------------------------------------------------------------------
+
+NUM_INTERRUPTS = 6
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from micro_vllm import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    prompts, params, settings = json.loads(sys.argv[2])
+    params = [SamplingParams(**p) for p in params]
+    make = lambda: LLM(model=sys.argv[1], device="cpu", dtype="float32", attention_backend="sdpa", **settings)
+    tokens = lambda outputs: [o.output_token_ids for o in outputs]
+    expected = tokens(make().generate(prompts, params, use_tqdm=False))
+    llm = make()
+    engine = llm.engine
+    kv = engine.scheduler.kv_cache_manager
+    runner = engine.executor.worker.model_runner
+    result = {"interrupts": 0, "completed": 0, "mismatches": 0, "left_behind": 0}
+    print("ready", flush=True)
+    while result["interrupts"] < int(sys.argv[3]):
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            result["completed"] += 1
+            result["mismatches"] += tokens(outputs) != expected
+        except KeyboardInterrupt:
+            result["interrupts"] += 1
+            result["left_behind"] += bool(engine.scheduler.requests or kv.num_free_blocks != kv.num_usable_blocks
+                                          or len(runner.input_batch) or engine.in_flight or engine.prompts)
+            print("interrupted", flush=True)
+    result["mismatches"] += tokens(llm.generate(prompts, params, use_tqdm=False)) != expected
+    result["hits"] = sum(o.num_cached_tokens for o in llm.generate(prompts, params, use_tqdm=False))
+    print(json.dumps(result), flush=True)
+    """
+)
+
+
+def test_real_sigint_during_generate(model_dir):
+    """SIGINTs at random moments of a loop of generate calls, in a child process: each surfaces as
+    a KeyboardInterrupt, leaves nothing behind, and every later call gives a fresh engine's tokens."""
+    params = [dict(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed, ignore_eos=True)
+              for p in PARAMS]
+    # The child imports the micro_vllm this test runs.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(micro_vllm.__file__).parents[1]),
+                                                          os.environ.get("PYTHONPATH", "")])}
+    # Unbuffered, so that select sees every line the child writes.
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(model_dir), json.dumps([PROMPTS, params, SETTINGS]), str(NUM_INTERRUPTS)],
+        stdout=subprocess.PIPE, bufsize=0, env=env,
+    )
+
+    def read_line() -> str:
+        assert select.select([child.stdout], [], [], 120)[0], "the child hangs"
+        return child.stdout.readline().decode().strip()
+
+    try:
+        assert read_line() == "ready"
+        delays = random.Random(0)
+        for _ in range(NUM_INTERRUPTS):
+            # The child acknowledges each interrupt before the next, so each lands in its loop.
+            time.sleep(delays.uniform(0.05, 0.6))
+            child.send_signal(signal.SIGINT)
+            assert read_line() == "interrupted"
+        result = json.loads(read_line())
+        assert child.wait(timeout=120) == 0
+    finally:
+        child.kill()
+    assert result["interrupts"] == NUM_INTERRUPTS
+    assert result["mismatches"] == 0 and result["left_behind"] == 0
+    assert result["hits"] > 0  # the prefix cache still serves what completed steps computed
