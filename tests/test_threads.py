@@ -101,3 +101,28 @@ def test_llm_leaves_the_global_rng_alone(model_dir):  # noqa: F811
     llm = make_llm(model_dir, seed=1234)
     llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=1.0), use_tqdm=False)  # unseeded draws
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_calls_from_a_callback_inside_generate(model_dir):  # noqa: F811
+    """A callback that runs inside generate (here, around a step) cannot start another generate,
+    and its shutdown takes effect when the running call ends, with the same error."""
+    llm = make_llm(model_dir)
+    engine = llm.engine
+    step = engine.step
+    nested: list[BaseException] = []
+
+    def step_with_callback():
+        try:
+            llm.generate(PROMPTS, use_tqdm=False)
+        except RuntimeError as error:
+            nested.append(error)
+        assert llm.reset_prefix_cache() is False
+        llm.shutdown()
+        return step()
+
+    engine.step = step_with_callback
+    with pytest.raises(RuntimeError, match="shutdown"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert len(nested) == 1 and "inside generate" in str(nested[0])
+    check_all_free(engine.scheduler)
+    assert llm.engine is None

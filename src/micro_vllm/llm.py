@@ -63,6 +63,8 @@ class LLM:
         of the call are lost, and the LLM stays usable: the same prompts then give the same tokens
         as in a fresh LLM. Calls from several threads run one after another.
         """
+        if self._inside_generate():
+            raise RuntimeError("generate() was called from inside generate() (a callback); call it once that returns")
         with self._generate_lock:
             engine = self._engine()
             self._generating_thread = threading.get_ident()
@@ -136,6 +138,8 @@ class LLM:
         cache, say). Call it between ``generate`` calls, when no request holds KV blocks; otherwise
         it changes nothing and returns False. Called while another thread's ``generate`` runs, it
         waits for that call to end."""
+        if self._inside_generate():
+            return False  # the running call's requests hold blocks
         with self._generate_lock:
             return self._engine().reset_prefix_cache()
 
@@ -162,7 +166,7 @@ class LLM:
         with a RuntimeError (its requests aborted) and shutdown waits for that; called from inside
         ``generate`` (a callback), it takes effect when that call ends."""
         self._shutdown_requested = True
-        if self._generating_thread == threading.get_ident():
+        if self._inside_generate():
             return
         with self._generate_lock:
             self._close()
@@ -178,6 +182,10 @@ class LLM:
         with self._abort_lock:
             aborts, self._pending_aborts = self._pending_aborts, []
         return [out for out in map(engine.abort_request, aborts) if out is not None]
+
+    def _inside_generate(self) -> bool:
+        """Whether this thread runs ``generate`` (and calls in from a callback)."""
+        return self._generating_thread == threading.get_ident()
 
     def _close(self) -> None:
         if self.engine is not None:
