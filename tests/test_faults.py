@@ -28,6 +28,7 @@ import micro_vllm
 from core_helpers import FakeRunner, check_all_free, make_request, make_scheduler, token_ids
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.worker.model_runner import DeviceStepOutput
+from test_prefix_caching_e2e import one_torch_thread  # noqa: F401  (an autouse fixture)
 from tiny_models import make_tiny_model
 
 FAMILY = "qwen3_sliding"  # two KV cache groups, one of them a sliding window
@@ -43,15 +44,6 @@ PARAMS = [
 ]
 # A cache of 14 usable blocks of 4 cannot hold all five requests at once: they preempt each other.
 SETTINGS = dict(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=15)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny matmuls gain nothing from threads; on a small shared CPU spinning threads slow every step.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +149,7 @@ def test_a_fault_at_any_stage_of_any_step_leaves_the_engine_correct(llms, expect
             assert token_ids(outputs) == expected
     assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
     check_all_free(llm.engine.scheduler)
+    assert not llm.engine.scheduler.kv_cache_manager.unconfirmed  # every step planned was confirmed
 
 
 def test_a_failed_step_does_not_poison_the_prefix_cache(model_dir, expected):

@@ -69,7 +69,7 @@ class LLM:
             engine = self._engine()
             self._generating_thread = threading.get_ident()
             try:
-                return self._run(engine, prompts, sampling_params, use_tqdm)
+                return self._generate(engine, prompts, sampling_params, use_tqdm)
             except BaseException:
                 engine.abort_all_requests()  # this call's requests are all the engine holds
                 raise
@@ -81,7 +81,7 @@ class LLM:
                 if self._shutdown_requested:
                     self._close()
 
-    def _run(self, engine: Engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, engine: Engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         requests = [engine.make_request(str(next(self._request_counter)), p, sp) for p, sp in zip(prompts, params)]
