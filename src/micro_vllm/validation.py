@@ -41,16 +41,18 @@ def is_int(value: object) -> bool:
 def check_int(name: str, value: object, low: int, high: int | None = INT32_MAX, allowed: str | None = None) -> int:
     """``value`` as an ``int`` in [low, high] (no upper bound when ``high`` is None)."""
     if not is_int(value) or value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise reject(name, value, allowed or f"an integer {bounds}")
+        raise reject(name, value, allowed or f"an integer {_int_range(low, high)}")
     return int(value)
 
 
 def check_optional_int(name: str, value: object, low: int, high: int | None = INT32_MAX) -> int | None:
     if value is None:
         return None
-    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-    return check_int(name, value, low, high, allowed=f"None or an integer {bounds}")
+    return check_int(name, value, low, high, allowed=f"None or an integer {_int_range(low, high)}")
+
+
+def _int_range(low: int, high: int | None) -> str:
+    return f">= {low}" if high is None else f"in [{low}, {high}]"
 
 
 def check_float(
@@ -76,7 +78,7 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_str(name: str, value: object, allowed: str = "a non-empty string") -> str:
+def check_str(name: str, value: object, allowed: str) -> str:
     if not isinstance(value, str) or not value:
         raise reject(name, value, allowed)
     return value

@@ -11,6 +11,7 @@ from micro_vllm.validation import (
     INT32_MAX,
     INT64_MAX,
     check_bool,
+    check_field,
     check_float,
     check_int,
     check_optional_int,
@@ -20,8 +21,9 @@ from micro_vllm.validation import (
 
 logger = logging.getLogger(__name__)
 
-# Below this a positive temperature only rescales the logits towards overflow, not towards anything
-# greedier; vLLM raises such temperatures to it with a warning, and so do we.
+# A tiny positive temperature scales the logits towards float32 overflow (NaN scores, garbage tokens)
+# while sampling all but greedily; vLLM raises temperatures below this to it with a
+# warning, and so do we.
 MIN_TEMPERATURE = 1e-2
 
 
@@ -43,35 +45,33 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        temperature = check_float(
-            "temperature", self.temperature, 0, allowed=f"a finite number in [0, {FLOAT32_MAX:g}] (0 means greedy)"
-        )
-        if 0 < temperature < MIN_TEMPERATURE:
-            logger.warning("temperature=%r is below %r; using %r", temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
-            temperature = MIN_TEMPERATURE
-        checked = {
-            "max_tokens": check_int("max_tokens", self.max_tokens, 1, None),
-            "temperature": temperature,
-            "top_k": check_int("top_k", self.top_k, -1, allowed=f"an integer in [1, {INT32_MAX}], or 0 / -1 to turn it off"),
-            "top_p": check_float("top_p", self.top_p, 0, 1, low_open=True),
-            # Negative seeds are refused, not read as "no seed": None is the only way to say that.
-            "seed": check_optional_int("seed", self.seed, 0, INT64_MAX),
-            "ignore_eos": check_bool("ignore_eos", self.ignore_eos),
-            "stop_token_ids": _stop_token_ids(self.stop_token_ids),
-        }
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
+        check_field(self, "max_tokens", check_int, 1, None)
+        check_field(self, "temperature", _temperature)
+        check_field(self, "top_k", check_int, -1, allowed=f"an integer in [1, {INT32_MAX}], or 0 / -1 to turn it off")
+        check_field(self, "top_p", check_float, 0, 1, low_open=True)
+        # Negative seeds are refused, not read as "no seed": None is the only way to say that.
+        check_field(self, "seed", check_optional_int, 0, INT64_MAX)
+        check_field(self, "ignore_eos", check_bool)
+        check_field(self, "stop_token_ids", _stop_token_ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def _stop_token_ids(value: object) -> tuple[int, ...]:
+def _temperature(name: str, value: object) -> float:
+    temperature = check_float(name, value, 0, allowed=f"a finite number in [0, {FLOAT32_MAX:g}] (0 means greedy)")
+    if 0 < temperature < MIN_TEMPERATURE:
+        logger.warning("%s=%r is below %r; using %r", name, temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+        return MIN_TEMPERATURE
+    return temperature
+
+
+def _stop_token_ids(name: str, value: object) -> tuple[int, ...]:
     allowed = "a list of token ids (integers >= 0)"
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise reject("stop_token_ids", value, allowed)
+        raise reject(name, value, allowed)
     ids = tuple(value)
     if not all(is_int(t) and t >= 0 for t in ids):
-        raise reject("stop_token_ids", value, allowed)
+        raise reject(name, value, allowed)
     return tuple(int(t) for t in ids)
