@@ -166,7 +166,8 @@ class LLM:
 
 
 _PROMPTS = "a prompt (a string, a list of token ids, or a dict) or a list of prompts"
-_CONVERSATIONS = "a conversation (a list of {'role': str, 'content': str} dicts) or a list of conversations"
+_MESSAGE = "{'role': str, 'content': str}"
+_CONVERSATIONS = f"a conversation (a list of {_MESSAGE} dicts) or a list of conversations"
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
@@ -210,7 +211,5 @@ def _as_conversations(messages) -> list[list[dict[str, str]]]:
                 and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)
             ):
-                raise TypeError(
-                    f"messages contain {short_repr(message)}; each message must be a {{'role': str, 'content': str}} dict"
-                )
+                raise TypeError(f"messages contain {short_repr(message)}; each message must be a {_MESSAGE} dict")
     return list(conversations)
