@@ -78,7 +78,7 @@ class Engine:
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
         """Validate and tokenize one prompt; raises before anything is queued."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
+            raise reject("sampling_params", params, "a SamplingParams", TypeError)
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError(f"prompt {short_repr(prompt)} is empty; give at least one token")
