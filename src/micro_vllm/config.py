@@ -7,10 +7,25 @@ backend) are resolved by the layer that owns them (the Worker), not written back
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from micro_vllm.validation import (
+    INT32_MAX,
+    INT64_MAX,
+    check_bool,
+    check_field,
+    check_float,
+    check_int,
+    check_optional_int,
+    check_str,
+    is_int,
+    reject,
+)
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -26,14 +41,19 @@ class ModelConfig:
     enforce_eager: bool = False  # True turns CUDA graphs off
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model={self.model!r} is not allowed; give a model directory or a hub id")
-        if not isinstance(self.dtype, str):
-            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not allowed; choose one of {_DTYPES}")
-        if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r} is not allowed; choose 'auto', 'cpu' or 'cuda[:N]'")
+        check_str("model", self.model, "a model directory or a hub id (a non-empty string)")
+        if self.tokenizer is not None:
+            check_str("tokenizer", self.tokenizer, "None or a tokenizer directory (a non-empty string)")
+        dtype = self.dtype if isinstance(self.dtype, str) else str(self.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise reject("dtype", self.dtype, f"a torch.dtype or one of {_DTYPES}")
+        object.__setattr__(self, "dtype", dtype)
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise reject("device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.attention_backend is not None:
+            check_str("attention_backend", self.attention_backend, "None or a backend name")
+        check_field(self, "seed", check_int, 0, INT64_MAX)
+        check_field(self, "enforce_eager", check_bool)
 
 
 @dataclass(frozen=True)
@@ -49,12 +69,11 @@ class SchedulerConfig:
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if value is None and name == "max_model_len":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
+        check_field(self, "max_model_len", check_optional_int, 1)
+        check_field(self, "max_num_batched_tokens", check_int, 1)
+        check_field(self, "max_num_seqs", check_int, 1)
+        check_field(self, "enable_chunked_prefill", check_bool)
+        check_field(self, "async_scheduling", check_bool)
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
@@ -78,16 +97,12 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         bs = self.block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
-            raise ValueError(f"block_size={bs!r} is not allowed; it must be a positive power of two")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization!r} is not allowed; it must be in (0, 1]"
-            )
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
-            raise ValueError(f"num_blocks={self.num_blocks!r} is not allowed; it must be an integer >= 2")
-        if not self.cpu_kv_cache_gib > 0:
-            raise ValueError(f"cpu_kv_cache_gib={self.cpu_kv_cache_gib!r} is not allowed; it must be > 0")
+        if not is_int(bs) or not 1 <= bs <= INT32_MAX or bs & (bs - 1):
+            raise reject("block_size", bs, "a positive power of two")
+        check_field(self, "gpu_memory_utilization", check_float, 0, 1, low_open=True)
+        check_field(self, "num_blocks", check_optional_int, 2)
+        check_field(self, "cpu_kv_cache_gib", check_float, 0, low_open=True)
+        check_field(self, "enable_prefix_caching", check_bool)
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,11 @@ class LLMConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     trace: Any = None  # a JSON-lines path or an object with emit(event); None turns tracing off
+
+    def __post_init__(self) -> None:
+        for name, section_cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), section_cls):
+                raise reject(name, getattr(self, name), f"a {section_cls.__name__}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> LLMConfig:

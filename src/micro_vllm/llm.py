@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -13,6 +15,7 @@ from micro_vllm.config import LLMConfig
 from micro_vllm.engine.engine import Engine, PromptType
 from micro_vllm.engine.output import RequestOutput
 from micro_vllm.sampling.params import SamplingParams
+from micro_vllm.validation import reject, short_repr
 
 
 class LLM:
@@ -150,10 +153,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the tokenizer's chat template."""
+        conversations = _as_conversations(messages)
         tokenizer = self.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
             raise ValueError("this model has no chat template; use generate() with plain prompts")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
@@ -198,11 +201,19 @@ class LLM:
         return self.engine
 
 
+_PROMPTS = "a prompt (a string, a list of token ids, or a dict) or a list of prompts"
+_MESSAGE = "{'role': str, 'content': str}"
+_CONVERSATIONS = f"a conversation (a list of {_MESSAGE} dicts) or a list of conversations"
+
+
 def _as_prompt_list(prompts) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise reject("prompts", prompts, _PROMPTS, TypeError)
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):  # one prompt given as token ids
+    # One prompt given as token ids; bools count here so that the engine refuses them by name.
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         return [prompts]
     return prompts
 
@@ -212,9 +223,29 @@ def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
+    if isinstance(sampling_params, Mapping) or not isinstance(sampling_params, Iterable):
+        raise reject("sampling_params", sampling_params, "a SamplingParams or a list of them", TypeError)
     params = list(sampling_params)
     if len(params) != n:
         raise ValueError(
             f"sampling_params has {len(params)} entries for {n} prompts; give one SamplingParams or one per prompt"
         )
     return params
+
+
+def _as_conversations(messages) -> list[list[dict[str, str]]]:
+    """One conversation or a list of them, each message a dict of a string role and content."""
+    if not isinstance(messages, (list, tuple)):
+        raise reject("messages", messages, _CONVERSATIONS, TypeError)
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    for conversation in conversations:
+        if not isinstance(conversation, (list, tuple)):
+            raise reject("messages", messages, _CONVERSATIONS, TypeError)
+        for message in conversation:
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                raise TypeError(f"messages contain {short_repr(message)}; each message must be a {_MESSAGE} dict")
+    return list(conversations)

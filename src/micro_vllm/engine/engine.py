@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+import numpy as np
+
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheManager, make_kv_cache_groups
 from micro_vllm.core.request import Request, RequestStatus
@@ -32,6 +34,7 @@ from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
 from micro_vllm.trace import Tracer, resolve_trace
+from micro_vllm.validation import is_int, reject, short_repr
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -55,7 +58,7 @@ class Engine:
         get_model_class(hf_config)  # fail on an unsupported architecture before loading anything
         self.max_model_len = _resolve_max_model_len(config, hf_config)
         self.vocab_size = hf_config.vocab_size
-        self.tokenizer = load_tokenizer(Path(model_config.tokenizer) if model_config.tokenizer else path)
+        self.tokenizer = load_tokenizer(path, model_config.tokenizer)
         self.eos_token_ids = _eos_token_ids(path, hf_config, self.tokenizer)
 
         self.executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
@@ -80,11 +83,11 @@ class Engine:
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
         """Validate and tokenize one prompt; raises before anything is queued."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
+            raise reject("sampling_params", params, "a SamplingParams", TypeError)
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
-            raise ValueError(f"prompt {prompt!r} is empty; give at least one token")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            raise ValueError(f"prompt {short_repr(prompt)} is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
                 f"prompt_token_ids contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
@@ -214,22 +217,23 @@ class Engine:
         }
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text (None when given as ids only) and its token ids, each of its parts checked."""
         if isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise reject("prompt", text, "a string", TypeError)
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"prompt {prompt!r} is not allowed; a dict needs 'prompt_token_ids' or 'prompt'")
+                return text, _token_ids(prompt["prompt_token_ids"])
+            if text is None:
+                raise reject("prompt", prompt, "a dict with 'prompt_token_ids' or 'prompt'")
+            prompt = text
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is text but this model has no tokenizer; pass prompt_token_ids instead")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise TypeError(
-            f"prompt {prompt!r} is not allowed; give a string, a list of token ids or {{'prompt_token_ids': [...]}}"
-        )
+        if isinstance(prompt, _TOKEN_ID_SEQUENCES):
+            return None, _token_ids(prompt)
+        raise reject("prompt", prompt, _PROMPT_FORMS, TypeError)
 
     def _make_output(self, request: Request) -> RequestOutput:
         output_ids = request.output_token_ids
@@ -243,6 +247,21 @@ class Engine:
             finish_reason=request.finish_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+
+
+_PROMPT_FORMS = "a string, a list of token ids, or a dict with 'prompt_token_ids' or 'prompt'"
+_TOKEN_ID_SEQUENCES = (list, tuple, np.ndarray)
+
+
+def _token_ids(value: object) -> list[int]:
+    """A prompt's token ids as Python ints: a list, tuple or 1-D array of integers, never of bools."""
+    if (
+        not isinstance(value, _TOKEN_ID_SEQUENCES)
+        or getattr(value, "ndim", 1) != 1
+        or not all(is_int(t) for t in value)
+    ):
+        raise reject("prompt_token_ids", value, "a list of integer token ids (not bools)", TypeError)
+    return [int(t) for t in value]
 
 
 def _resolve_max_model_len(config: LLMConfig, hf_config) -> int:

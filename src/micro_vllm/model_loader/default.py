@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
@@ -22,6 +23,8 @@ from micro_vllm.models.registry import get_model_class
 # Enough to build the model and its tokenizer; skips *.bin / *.pt / *.gguf copies of the weights.
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -57,9 +60,16 @@ def load_model(
     files = safetensors_files(Path(path))
     with torch.device(device), _default_dtype(dtype):
         model = model_class(hf_config, attention_backend)
-    checkpoint_names: set[str] = set()
-    loaded = model.load_weights(_stream(files, checkpoint_names))
-    _check_complete(model, loaded, checkpoint_names)
+    checkpoint_names: dict[str, Path] = {}  # each tensor read so far -> its file, in reading order
+    try:
+        loaded = model.load_weights(_stream(files, checkpoint_names))
+    except ValueError as error:  # a tensor the model cannot take (a wrong shape): name it and its file
+        if not checkpoint_names:
+            raise
+        name = next(reversed(checkpoint_names))
+        detail = str(error) if name in str(error) else f"{name}: {error}"
+        raise ValueError(f"{checkpoint_names[name]}: {detail}") from error
+    _check_complete(model, loaded, set(checkpoint_names))
     return model.eval()
 
 
@@ -78,12 +88,15 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _stream(files: list[Path], seen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(files: list[Path], seen: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as reader:
-            for name in reader.keys():
-                seen.add(name)
-                yield name, reader.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    seen[name] = file
+                    yield name, reader.get_tensor(name)
+        except (SafetensorError, OSError) as error:  # errors of the consumer never enter a generator
+            raise OSError(f"{file} is not a readable safetensors file: {error}") from error
 
 
 def _check_complete(model: nn.Module, loaded: set[str], checkpoint_names: set[str]) -> None:
@@ -98,9 +111,18 @@ def _check_complete(model: nn.Module, loaded: set[str], checkpoint_names: set[st
     missing = sorted(needed - checkpoint_names)
     if missing:
         raise ValueError(f"checkpoint is missing weights the model needs: {', '.join(missing)}")
+    unexpected = sorted(name for name in checkpoint_names - needed if not _skipped_on_purpose(model, name))
+    if unexpected:  # as transformers does: a checkpoint for a variant of the model still loads
+        logger.warning("checkpoint tensors this model has no use for, ignored: %s", ", ".join(unexpected))
     unloaded = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if unloaded:
         raise ValueError(f"the checkpoint's tensors did not reach these parameters: {', '.join(unloaded)}")
+
+
+def _skipped_on_purpose(model: nn.Module, name: str) -> bool:
+    """Tensors a model leaves unread by design: rotary tables it computes itself, and the output
+    projection of a model whose logits reuse the embedding."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None)
 
 
 def _checkpoint_names_for(param_name: str, packed: dict[str, tuple[str, ...]]) -> list[str]:

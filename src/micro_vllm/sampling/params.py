@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from micro_vllm.validation import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    INT64_MAX,
+    check_bool,
+    check_field,
+    check_float,
+    check_int,
+    check_optional_int,
+    is_int,
+    reject,
+)
+
+logger = logging.getLogger(__name__)
+
+# A tiny positive temperature scales the logits towards float32 overflow (NaN scores, garbage tokens)
+# while sampling all but greedily; vLLM raises temperatures below this to it with a
+# warning, and so do we.
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, validated on construction.
 
-    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p=1`` turn those filters off. A
-    ``seed`` makes the request's samples reproducible whatever else shares its batch.
+    ``temperature=0`` means greedy; a positive temperature below 0.01 is raised to 0.01. ``top_k`` of
+    0 or -1 and ``top_p=1`` turn those filters off (a ``top_k`` beyond the vocabulary keeps every
+    token). A ``seed`` makes the request's samples reproducible whatever else shares its batch.
     """
 
     max_tokens: int = 16
@@ -22,21 +45,33 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} is not allowed; it must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} is not allowed; it must be >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k!r} is not allowed; it must be >= 1, or 0 / -1 to turn it off")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} is not allowed; it must be in (0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} is not allowed; it must be an integer or None")
-        stop_ids = tuple(self.stop_token_ids)
-        if not all(isinstance(t, int) and t >= 0 for t in stop_ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is not allowed; it must hold token ids >= 0")
-        object.__setattr__(self, "stop_token_ids", stop_ids)
+        check_field(self, "max_tokens", check_int, 1, None)
+        check_field(self, "temperature", _temperature)
+        check_field(self, "top_k", check_int, -1, allowed=f"an integer in [1, {INT32_MAX}], or 0 / -1 to turn it off")
+        check_field(self, "top_p", check_float, 0, 1, low_open=True)
+        # Negative seeds are refused, not read as "no seed": None is the only way to say that.
+        check_field(self, "seed", check_optional_int, 0, INT64_MAX)
+        check_field(self, "ignore_eos", check_bool)
+        check_field(self, "stop_token_ids", _stop_token_ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _temperature(name: str, value: object) -> float:
+    temperature = check_float(name, value, 0, allowed=f"a finite number in [0, {FLOAT32_MAX:g}] (0 means greedy)")
+    if 0 < temperature < MIN_TEMPERATURE:
+        logger.warning("%s=%r is below %r; using %r", name, temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+        return MIN_TEMPERATURE
+    return temperature
+
+
+def _stop_token_ids(name: str, value: object) -> tuple[int, ...]:
+    allowed = "a list of token ids (integers >= 0)"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise reject(name, value, allowed)
+    ids = tuple(value)
+    if not all(is_int(t) and t >= 0 for t in ids):
+        raise reject(name, value, allowed)
+    return tuple(int(t) for t in ids)

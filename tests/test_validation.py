@@ -1,0 +1,332 @@
+"""Every value is validated where it enters: each field of SamplingParams and of the configs, every
+prompt form, chat messages and the model's files. A bad value raises an error that names the field
+and the value before any work starts (no request queued, no step run), and the engine then gives
+exactly a fresh engine's outputs. Values that pass must be ones the runner's arrays can hold."""
+
+import dataclasses
+import logging
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
+from micro_vllm.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX
+from tiny_models import VOCAB_SIZE, make_tiny_model
+
+NAN, INF = math.nan, math.inf
+
+# field -> values it must refuse; every field of SamplingParams appears (checked below).
+BAD_SAMPLING_VALUES = {
+    "max_tokens": [0, -3, True, 2.0, "3", None],
+    "temperature": [-0.5, NAN, INF, -INF, 1e39, True, "1", None],
+    "top_k": [-2, 2**31, True, 1.0, None],
+    "top_p": [0.0, -0.1, 1.5, NAN, INF, True, "0.9", None],
+    "seed": [-1, 2**63, True, 1.5, "7"],
+    "ignore_eos": [1, 0, "yes", None],
+    "stop_token_ids": [5, "5", b"\x05", [-1], [True], [1.0], None],
+}
+
+# (config class, field) -> values it must refuse; every field of every config appears.
+BAD_CONFIG_VALUES = {
+    (ModelConfig, "model"): [None, 5, "", b"m"],
+    (ModelConfig, "tokenizer"): [5, "", b"t"],
+    (ModelConfig, "device"): [None, "gpu", "cuda:x", 0],
+    (ModelConfig, "dtype"): [None, "int8", torch.int8, 5],
+    (ModelConfig, "attention_backend"): [5, ""],
+    (ModelConfig, "seed"): [-1, 2**63, True, 1.5],
+    (ModelConfig, "enforce_eager"): [1, "no", None],
+    (SchedulerConfig, "max_model_len"): [0, True, 2**31, 1.5, "64"],
+    (SchedulerConfig, "max_num_batched_tokens"): [0, True, 2**31, None],
+    (SchedulerConfig, "max_num_seqs"): [0, -1, True, 8.0],
+    (SchedulerConfig, "enable_chunked_prefill"): [1, None],
+    (SchedulerConfig, "async_scheduling"): [0, "yes"],
+    (CacheConfig, "block_size"): [0, 12, True, 2**31, 16.0, None],
+    (CacheConfig, "gpu_memory_utilization"): ["0.9", 0, 1.5, NAN, True, None],
+    (CacheConfig, "num_blocks"): [1, True, 2.0, 2**31],
+    (CacheConfig, "cpu_kv_cache_gib"): [0, -1, INF, NAN, "4", True],
+    (CacheConfig, "enable_prefix_caching"): [1, None],
+    (LLMConfig, "model_config"): ["m", None],
+    (LLMConfig, "scheduler_config"): [{}],
+    (LLMConfig, "cache_config"): [None],
+}
+REQUIRED = {ModelConfig: dict(model="m"), LLMConfig: dict(model_config=ModelConfig(model="m"))}
+NOT_CHECKED_HERE = {(LLMConfig, "trace")}  # resolved by the Engine (test_trace.py)
+
+
+def named(field: str, value) -> str:
+    """The start of the message every refusal gives."""
+    return re.escape(f"{field}={value!r} is not allowed; it must be ")
+
+
+def cases(table):
+    return [pytest.param(key, value, id=f"{key}={value!r}") for key, values in table.items() for value in values]
+
+
+# -- SamplingParams ----------------------------------------------------------------------------
+
+
+def test_every_sampling_field_is_covered():
+    assert {f.name for f in dataclasses.fields(SamplingParams)} == set(BAD_SAMPLING_VALUES)
+
+
+@pytest.mark.parametrize("field, value", cases(BAD_SAMPLING_VALUES))
+def test_bad_sampling_value_is_named(field, value):
+    with pytest.raises(ValueError, match=named(field, value)):
+        SamplingParams(**{field: value})
+
+
+INT_FIELDS = {"max_tokens": (1, None), "top_k": (-1, INT32_MAX), "seed": (0, INT64_MAX)}
+BOUNDARIES = [v + d for v in (-1, 0, 1, INT32_MAX, INT64_MAX, 2**64) for d in (-1, 0, 1)]
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+@settings(max_examples=60, deadline=None)
+@given(value=st.integers() | st.sampled_from(BOUNDARIES) | st.sampled_from([-v for v in BOUNDARIES]))
+def test_integer_fields_take_exactly_their_range(field, value):
+    low, high = INT_FIELDS[field]
+    if low <= value and (high is None or value <= high):
+        assert getattr(SamplingParams(**{field: value}), field) == value
+    else:
+        with pytest.raises(ValueError, match=named(field, value)):
+            SamplingParams(**{field: value})
+
+
+@settings(max_examples=80, deadline=None)
+@given(temperature=st.floats() | st.sampled_from([FLOAT32_MAX, 1e39, 0.0, 1e-300]), top_p=st.floats())
+def test_float_fields_take_exactly_their_range(temperature, top_p):
+    ok_temperature = math.isfinite(temperature) and 0 <= temperature <= FLOAT32_MAX
+    ok_top_p = 0 < top_p <= 1
+    if ok_temperature and ok_top_p:
+        params = SamplingParams(temperature=temperature, top_p=top_p)
+        assert params.top_p == top_p
+        assert params.temperature == (0 if temperature == 0 else max(temperature, 0.01))
+    else:
+        field, value = ("temperature", temperature) if not ok_temperature else ("top_p", top_p)
+        with pytest.raises(ValueError, match=named(field, value)):
+            SamplingParams(temperature=temperature, top_p=top_p)
+
+
+def test_tiny_temperature_is_raised_to_the_minimum_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert SamplingParams(temperature=1e-40).temperature == 0.01
+    assert "temperature=1e-40" in caplog.text
+
+
+def test_numpy_values_are_taken_as_python_numbers():
+    params = SamplingParams(max_tokens=np.int64(3), top_k=np.int32(5), seed=np.uint64(7),
+                            temperature=np.float32(0.5), stop_token_ids=np.array([1, 2]))
+    assert (params.max_tokens, params.top_k, params.seed, params.stop_token_ids) == (3, 5, 7, (1, 2))
+    assert all(type(v) is int for v in (params.max_tokens, params.top_k, params.seed, *params.stop_token_ids))
+
+
+# -- configs -----------------------------------------------------------------------------------
+
+
+def test_every_config_field_is_covered():
+    every = {(cls, f.name) for cls in (ModelConfig, SchedulerConfig, CacheConfig, LLMConfig)
+             for f in dataclasses.fields(cls)}
+    assert every - NOT_CHECKED_HERE == set(BAD_CONFIG_VALUES)
+
+
+@pytest.mark.parametrize("key, value", cases(BAD_CONFIG_VALUES))
+def test_bad_config_value_is_named(key, value):
+    cls, field = key
+    with pytest.raises(ValueError, match=named(field, value)):
+        cls(**{**REQUIRED.get(cls, {}), field: value})
+
+
+def test_good_config_values_are_kept():
+    assert ModelConfig(model="m", device="cuda:1", dtype=torch.bfloat16, seed=INT64_MAX).dtype == "bfloat16"
+    assert SchedulerConfig(max_model_len=INT32_MAX, max_num_batched_tokens=np.int64(8)).max_num_batched_tokens == 8
+    assert CacheConfig(block_size=2**30, gpu_memory_utilization=1, num_blocks=2).gpu_memory_utilization == 1.0
+
+
+def test_keyword_form_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match=named("gpu_memory_utilization", "0.9")):
+        LLM(model=str(tmp_path), gpu_memory_utilization="0.9")
+
+
+# -- an engine that must stay untouched --------------------------------------------------------
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=3, ignore_eos=True)
+GOOD_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], "hello there"]
+
+
+def make_llm(path) -> LLM:
+    return LLM(model=str(path), device="cpu", max_model_len=64, block_size=8, max_num_batched_tokens=32)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    outputs = llm.generate(GOOD_PROMPTS, [GREEDY, SEEDED], use_tqdm=False)
+    return [o.output_token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("validation"))
+
+
+@pytest.fixture(scope="module")
+def fresh_tokens(model_dir):
+    with make_llm(model_dir) as fresh:
+        return tokens(fresh)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with make_llm(model_dir) as llm:
+        yield llm
+
+
+@pytest.fixture
+def untouched(llm, monkeypatch):
+    """Yields the LLM; afterwards checks that no step ran and that nothing is queued or held (the
+    last test of the file then checks that the outputs are still a fresh engine's)."""
+    engine = llm.engine
+    steps = []
+    execute_model = engine.executor.execute_model
+    monkeypatch.setattr(engine.executor, "execute_model", lambda plan: steps.append(plan) or execute_model(plan))
+    yield llm
+    assert steps == [] and not engine.scheduler.requests and not engine.in_flight
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+GOOD = [5, 6, 7]
+BAD_PROMPTS = [
+    (None, TypeError, named("prompts", None)),
+    (123, TypeError, named("prompts", 123)),
+    (1.5, TypeError, named("prompts", 1.5)),
+    (b"abc", TypeError, named("prompts", b"abc")),
+    ([True, False], TypeError, named("prompt_token_ids", [True, False])),
+    ([GOOD, [1, True]], TypeError, named("prompt_token_ids", [1, True])),
+    ([GOOD, [1, 2.0]], TypeError, named("prompt_token_ids", [1, 2.0])),
+    ([GOOD, np.array([[1, 2]])], TypeError, r"prompt_token_ids=array\(\[\[1, 2\]\]\) is not allowed"),
+    ([GOOD, None], TypeError, named("prompt", None)),
+    ([GOOD, 3.5], TypeError, named("prompt", 3.5)),
+    ({"prompt_token_ids": None}, TypeError, named("prompt_token_ids", None)),
+    ({"prompt_token_ids": "abc"}, TypeError, named("prompt_token_ids", "abc")),
+    ({"prompt_token_ids": [1], "prompt": 7}, TypeError, named("prompt", 7)),
+    ({"prompt": 5}, TypeError, named("prompt", 5)),
+    ({"prompt": None}, ValueError, named("prompt", {"prompt": None})),
+    ({"text": "x"}, ValueError, named("prompt", {"text": "x"})),
+    ([GOOD, [np.int64(VOCAB_SIZE)]], ValueError, rf"prompt_token_ids contain \[{VOCAB_SIZE}\] outside the vocabulary"),
+    ([GOOD, {"prompt_token_ids": [2**40]}], ValueError, rf"\[{2**40}\] outside the vocabulary"),
+    ([GOOD, ""], ValueError, r"prompt '' is empty"),
+]
+
+
+@pytest.mark.parametrize("prompts, error, match", BAD_PROMPTS, ids=[repr(p[0]) for p in BAD_PROMPTS])
+def test_bad_prompt_is_refused_before_any_work(untouched, prompts, error, match):
+    with pytest.raises(error, match=match):
+        untouched.generate(prompts, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "sampling_params, match",
+    [
+        (5, named("sampling_params", 5)),
+        ({"max_tokens": 3}, named("sampling_params", {"max_tokens": 3})),
+        ([GREEDY, "x"], r"sampling_params='x' is not allowed"),
+    ],
+)
+def test_bad_sampling_params_argument_is_refused_before_any_work(untouched, sampling_params, match):
+    with pytest.raises(TypeError, match=match):
+        untouched.generate([GOOD, GOOD], sampling_params, use_tqdm=False)
+
+
+CONVERSATION = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        (CONVERSATION[0], named("messages", CONVERSATION[0])),
+        ("hi", named("messages", "hi")),
+        (None, named("messages", None)),
+        ([CONVERSATION, "hi"], r"messages=.* is not allowed; it must be a conversation"),
+        ([{"role": "user"}], r"messages contain \{'role': 'user'\}; each message must be"),
+        ([{"role": 1, "content": "x"}], r"messages contain \{'role': 1, 'content': 'x'\}"),
+        ([[1]], r"messages contain 1; each message must be"),
+    ],
+)
+def test_bad_chat_messages_are_refused_before_any_work(untouched, messages, match):
+    with pytest.raises(TypeError, match=match):
+        untouched.chat(messages, GREEDY, use_tqdm=False)
+
+
+def test_numpy_prompts_are_token_ids(llm, fresh_tokens):
+    as_numpy = [np.array(GOOD_PROMPTS[0]), {"prompt_token_ids": [np.int32(t) for t in GOOD_PROMPTS[0]]}]
+    outputs = llm.generate(as_numpy, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == [GOOD_PROMPTS[0]] * 2
+    assert [o.output_token_ids for o in outputs] == [fresh_tokens[0]] * 2  # GOOD_PROMPTS[0], greedy
+
+
+def test_extreme_allowed_values_run(llm):
+    """The bounds validation allows fit the runner's int32 / int64 / float32 arrays."""
+    extreme = [SamplingParams(max_tokens=3, seed=INT64_MAX, top_k=INT32_MAX, ignore_eos=True),
+               SamplingParams(max_tokens=3, seed=0, temperature=FLOAT32_MAX, top_p=1e-30, ignore_eos=True),
+               SamplingParams(max_tokens=2**100, temperature=0.01, stop_token_ids=[2**62])]
+    outputs = llm.generate([GOOD] * 3, extreme, use_tqdm=False)
+    assert [len(o.output_token_ids) for o in outputs[:2]] == [3, 3]
+
+
+# -- files -------------------------------------------------------------------------------------
+
+
+def test_missing_tokenizer_directory_is_named(model_dir):
+    with pytest.raises(ValueError, match=named("tokenizer", "/nonexistent")):
+        LLM(model=str(model_dir), device="cpu", tokenizer="/nonexistent")
+    with LLM(model=str(model_dir), device="cpu", max_model_len=64, tokenizer=str(model_dir)) as llm:
+        assert llm.tokenizer is not None
+
+
+def rewrite_weights(path, change):
+    weights = load_file(path / "model.safetensors")
+    change(weights)
+    save_file(weights, path / "model.safetensors")
+
+
+def test_corrupt_safetensors_file_is_named(tmp_path):
+    path = make_tiny_model("llama", tmp_path)
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(OSError, match=re.escape(f"{file} is not a readable safetensors file")):
+        LLM(model=str(path), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "name, shape, expected",
+    [
+        ("model.layers.1.mlp.down_proj.weight", (64, 100), (64, 128)),
+        ("model.layers.0.self_attn.k_proj.weight", (3, 64), (64, 64)),  # one piece of the fused qkv_proj
+    ],
+)
+def test_misshaped_tensor_is_named_with_both_shapes(tmp_path, name, shape, expected):
+    path = make_tiny_model("llama", tmp_path)
+    rewrite_weights(path, lambda w: w.update({name: torch.zeros(shape)}))
+    with pytest.raises(ValueError, match=re.escape(name) + rf".*{re.escape(str(shape))}.*{re.escape(str(expected))}"):
+        LLM(model=str(path), device="cpu")
+
+
+def test_unexpected_tensors_warn_by_name_and_change_nothing(tmp_path, model_dir, fresh_tokens, caplog):
+    path = make_tiny_model("llama", tmp_path)  # tied: it needs no lm_head.weight
+    extra = {"model.layers.0.mlp.extra.weight": torch.zeros(2), "model.rotary_emb.inv_freq": torch.zeros(2),
+             "lm_head.weight": torch.zeros(2)}
+    rewrite_weights(path, lambda w: w.update(extra))
+    with caplog.at_level(logging.WARNING, logger="micro_vllm.model_loader"), make_llm(path) as llm:
+        assert tokens(llm) == fresh_tokens
+    [record] = [r for r in caplog.records if "checkpoint tensors" in r.getMessage()]
+    assert record.getMessage().endswith("ignored: model.layers.0.mlp.extra.weight")  # the others are skipped by design
+
+
+def test_after_every_refusal_outputs_are_a_fresh_engines(llm, fresh_tokens):
+    # Runs after the refusals above, on the same LLM.
+    assert tokens(llm) == fresh_tokens
