@@ -79,7 +79,7 @@ def _dynamic_ntk(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor
     """Dynamic NTK: the original frequencies, which is what transformers uses up to
     ``max_position_embeddings``.
 
-    transformers raises the base only once a forward pass holds a position past
+    transformers raises the base only once a forward pass reaches position
     ``max_position_embeddings``, and then from that pass's largest position, for every token of it: a
     token's rotation would depend on the batch it ran in, and keys cached before the switch would not
     match queries after it, so no paged KV cache can reproduce it. vLLM instead uses one base, the one
