@@ -55,6 +55,10 @@ MODELS = {
     "llama": dict(num_attention_heads=4, num_key_value_heads=4),
     # head size 128, GQA 2, a window shorter than prompt + output and no multiple of a block size
     "mistral": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128, sliding_window=24),
+    # head size 64, GQA 2, q/k/v bias
+    "qwen2": dict(num_attention_heads=4, num_key_value_heads=2),
+    # head size 128, GQA 2, YaRN (cos/sin scaled by its attention factor) past its original 64 positions
+    "qwen2_rope_yarn": dict(num_attention_heads=2, num_key_value_heads=1),
     # head size 128, GQA 4, q/k norm
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=128),
     # head size 64, GQA 2; layer 0 full attention, layers 1-2 a window of 20: two KV cache groups

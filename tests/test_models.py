@@ -10,14 +10,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from tiny_models import FAMILIES, load_hf_reference, make_tiny_model, tiny_config
 
 from micro_vllm.attention.attention import AttentionMetadata
 from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.layers.norm import RMSNorm
-from micro_vllm.layers.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
+from micro_vllm.layers.rotary import (
+    SUPPORTED_ROPE_TYPES,
+    RotaryEmbedding,
+    cos_sin_scale,
+    inverse_frequencies,
+    rope_parameters,
+)
 from micro_vllm.model_loader.default import load_hf_config, load_model, resolve_model_path
-from micro_vllm.models.qwen import Qwen3ForCausalLM
+from micro_vllm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from micro_vllm.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 
 ATOL = RTOL = 1e-4
@@ -93,7 +101,8 @@ def load_ours(path: Path, backend: str, dtype: torch.dtype = torch.float32) -> t
     return load_model(path, load_hf_config(path), dtype, torch.device("cpu"), backend)
 
 
-@pytest.mark.parametrize("backend, block_size", [("reference", 4), ("sdpa", 16)])
+# The triton kernels run under Triton's CPU interpreter, slowly: one prefill per family, no decodes.
+@pytest.mark.parametrize("backend, block_size", [("reference", 4), ("sdpa", 16), ("triton", 8)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_logits_match_transformers(model_dirs, family, backend, block_size):
     path = model_dirs[family]
@@ -122,10 +131,11 @@ def test_chunked_prefill_then_decode_match_transformers(model_dirs, family):
         torch.testing.assert_close(got[0], hf_logits(reference, prompt + [token])[-1], atol=ATOL, rtol=RTOL)
 
 
-def test_mistral_window_shorter_than_prompt(model_dirs):
-    path = model_dirs["mistral"]
+@pytest.mark.parametrize("family, windows", [("mistral", [8, 8]), ("qwen2_sliding", [None, 5])])
+def test_window_shorter_than_prompt(model_dirs, family, windows):
+    path = model_dirs[family]
     ours, reference = load_ours(path, "reference"), load_hf_reference(path)
-    assert [attn.sliding_window for attn in ours.attention_layers()] == [8, 8]
+    assert [attn.sliding_window for attn in ours.attention_layers()] == windows
     prompt = prompts_for(seed=4, lengths=(27,))[0]
     got = PagedRun(ours, 1, block_size=4).step([prompt])[0]
     torch.testing.assert_close(got, hf_logits(reference, prompt), atol=ATOL, rtol=RTOL)
@@ -136,11 +146,35 @@ def test_mistral_window_shorter_than_prompt(model_dirs):
     assert not torch.allclose(full[-1], got[-1], atol=1e-2)
 
 
-def test_qwen3_sliding_window_follows_layer_types(model_dirs):
-    ours = load_ours(model_dirs["qwen3_sliding"], "reference")
-    assert [attn.sliding_window for attn in ours.attention_layers()] == [None, 6]
-    unset = tiny_config("qwen3_sliding", use_sliding_window=False)
-    assert Qwen3ForCausalLM.sliding_windows(unset) == [None, None]
+@pytest.mark.parametrize("model_class", [Qwen2ForCausalLM, Qwen3ForCausalLM])
+def test_qwen_sliding_windows_follow_transformers_layer_types(model_class):
+    """use_sliding_window, sliding_window, max_window_layers and layer_types decide, as in transformers."""
+    family = "qwen2_sliding" if model_class is Qwen2ForCausalLM else "qwen3_sliding"
+    window = tiny_config(family).sliding_window
+    cases = [
+        (dict(num_hidden_layers=4, max_window_layers=1), [None, window, window, window]),
+        (dict(num_hidden_layers=4, max_window_layers=3), [None, None, None, window]),
+        (dict(use_sliding_window=False), [None, None]),
+        (dict(layer_types=["sliding_attention", "full_attention"]), [window, None]),
+        (dict(use_sliding_window=False, layer_types=["sliding_attention", "full_attention"]), [None, None]),
+    ]
+    for overrides, expected in cases:
+        config = tiny_config(family, **overrides)
+        assert model_class.sliding_windows(config) == expected, overrides
+        hf_windows = [
+            layer.self_attn.sliding_window
+            for layer in AutoModelForCausalLM.from_config(config).model.layers
+        ]
+        assert hf_windows == expected, overrides
+
+
+def test_attention_biases_per_family(model_dirs):
+    """Qwen2: q/k/v biases, none on o_proj; Llama: attention_bias switches all four."""
+    qwen2, llama_untied = load_ours(model_dirs["qwen2"], "reference"), load_ours(model_dirs["llama_untied"], "reference")
+    qwen2_attn, llama_attn = qwen2.model.layers[0].self_attn, llama_untied.model.layers[0].self_attn
+    assert qwen2_attn.qkv_proj.bias is not None and qwen2_attn.o_proj.bias is None
+    assert llama_attn.qkv_proj.bias is not None and llama_attn.o_proj.bias is not None
+    assert llama_untied.model.layers[0].mlp.down_proj.bias is not None
 
 
 def test_tied_and_untied_embeddings(model_dirs):
@@ -192,8 +226,48 @@ def test_rope_reads_old_and_new_config_forms():
     scaled = inverse_frequencies(16, rope_parameters(new))
     unscaled = inverse_frequencies(16, rope_parameters(plain))
     assert torch.equal(scaled[0], unscaled[0]) and torch.allclose(scaled[-1], unscaled[-1] / 8)
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
-        inverse_frequencies(16, {"rope_type": "yarn", "rope_theta": 1.0})
+
+
+def test_unknown_rope_type_is_refused_naming_the_field_and_the_choices(tmp_path):
+    path = make_tiny_model("llama", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
+                                     long_factor=[2.0] * 8, original_max_position_embeddings=64)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"rope_type='longrope' \(in the config's rope_parameters") as error:
+        load_ours(path, "reference")
+    assert all(repr(name) in str(error.value) for name in SUPPORTED_ROPE_TYPES)
+
+
+_ROPE_CASES = {
+    "linear": dict(factor=3.0),
+    "dynamic": dict(factor=4.0),
+    "yarn": dict(factor=4.0, original_max_position_embeddings=64),
+    "yarn, betas, no truncation": dict(
+        factor=4.0, original_max_position_embeddings=64, beta_fast=8, beta_slow=2, truncate=False
+    ),
+    "yarn, DeepSeek mscales": dict(factor=4.0, original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=1.0),
+    "yarn, given attention factor": dict(factor=4.0, original_max_position_embeddings=64, attention_factor=0.9),
+    "yarn, factor from lengths": dict(factor=None, original_max_position_embeddings=64),
+    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32),
+}
+
+
+@pytest.mark.parametrize("case", _ROPE_CASES)
+def test_rope_frequencies_and_scale_equal_transformers(case):
+    """Bit for bit: the inverse frequencies and the cos/sin factor of transformers' rotary embedding
+    (as built, i.e. for positions below max_position_embeddings)."""
+    rope_type = case.partition(",")[0]
+    rope = dict(rope_type=rope_type, rope_theta=1_000_000.0 if "betas" in case else 10000.0, **_ROPE_CASES[case])
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256, rope_parameters=rope)
+    theirs = LlamaRotaryEmbedding(config)
+    params = rope_parameters(config)
+    assert torch.equal(inverse_frequencies(16, params), theirs.inv_freq)
+    assert cos_sin_scale(params) == theirs.attention_scaling
+    ours = RotaryEmbedding(16, 256, params)
+    positions = torch.arange(256)[None]
+    cos, sin = theirs(torch.zeros(1, dtype=torch.float32), positions)
+    torch.testing.assert_close(ours.cos_sin_cache, torch.cat((cos[0, :, :8], sin[0, :, :8]), dim=-1))
 
 
 def test_rope_position_zero_is_identity_and_norm_preserving():
@@ -209,10 +283,15 @@ def test_rope_position_zero_is_identity_and_norm_preserving():
 
 
 def test_registry_maps_each_architecture():
-    pairs = [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen3", "Qwen3ForCausalLM")]
+    pairs = [
+        ("llama", "LlamaForCausalLM"),
+        ("mistral", "MistralForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+    ]
     for family, architecture in pairs:
         assert get_model_class(tiny_config(family, architectures=[architecture])).__name__ == architecture
-    assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
+    assert set(SUPPORTED_ARCHITECTURES) == {architecture for _, architecture in pairs}
 
 
 def test_resolve_model_path(tmp_path, model_dirs):
@@ -249,6 +328,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     [
         ("llama", "model.layers.1.self_attn.k_proj.weight"),  # one piece of a fused qkv_proj
         ("llama_untied", "lm_head.weight"),
+        ("qwen2", "model.layers.1.self_attn.v_proj.bias"),
         ("qwen3", "model.layers.0.self_attn.q_norm.weight"),
     ],
 )

@@ -19,6 +19,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2Config,
     Qwen3Config,
 )
 
@@ -39,7 +40,10 @@ _COMMON: dict[str, Any] = dict(
 )
 
 # family -> (config class, what it varies). GQA ratios: llama 1, llama_untied 2, llama3_rope 4,
-# mistral 2, qwen3 4, qwen3_sliding 2.
+# llama_rope_linear 2, llama_rope_dynamic 1, mistral 2, qwen2 2, qwen2_sliding 4, qwen2_rope_yarn 2,
+# qwen3 4, qwen3_sliding 2. Of the RoPE scalings, linear and yarn change the rotation at every
+# position; dynamic is the plain RoPE up to max_position_embeddings, the longest we run (see
+# _dynamic_ntk in layers/rotary.py), so its family checks that it stays so.
 _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "llama": (LlamaConfig, dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "llama_untied": (
@@ -62,7 +66,38 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
             ),
         ),
     ),
+    "llama_rope_linear": (
+        LlamaConfig,
+        dict(num_key_value_heads=2, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)),
+    ),
+    "llama_rope_dynamic": (
+        LlamaConfig,
+        dict(num_key_value_heads=4, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)),
+    ),
     "mistral": (MistralConfig, dict(num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False)),
+    "qwen2": (Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),  # q/k/v bias, none on o_proj
+    "qwen2_sliding": (
+        Qwen2Config,
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,  # layer 0 full attention, layer 1 sliding
+        ),
+    ),
+    "qwen2_rope_yarn": (
+        Qwen2Config,
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            # With head_dim 16, YaRN's ramp runs over channels 0-3 of 8 at this original length; the
+            # attention factor (from `factor`) scales cos/sin.
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64
+            ),
+        ),
+    ),
     "qwen3": (
         Qwen3Config,
         dict(

@@ -1,8 +1,9 @@
-"""Llama, from a Hugging Face ``LlamaConfig``: the decoder stack Mistral and Qwen3 reuse.
+"""Llama, from a Hugging Face ``LlamaConfig``: the decoder stack Mistral, Qwen2 and Qwen3 reuse.
 
 Module names follow the checkpoint's, except that q/k/v and gate/up run as one matmul each
 (``packed_modules_mapping`` says which checkpoint tensors fill them). Subclasses change per-layer
-policy (sliding windows, q/k norm) through ``LlamaForCausalLM``'s hooks, not by copying layers.
+policy (sliding windows, q/k norm, attention biases) through ``LlamaForCausalLM``'s hooks, not by
+copying layers.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, output projection."""
+    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, output projection.
+
+    ``biases`` says whether the q/k/v projections and the output projection have a bias."""
 
     def __init__(
         self,
@@ -46,6 +49,7 @@ class LlamaAttention(nn.Module):
         attention_backend: str,
         sliding_window: int | None,
         qk_norm: bool,
+        biases: tuple[bool, bool],
     ) -> None:
         super().__init__()
         num_heads = hf_config.num_attention_heads
@@ -53,10 +57,10 @@ class LlamaAttention(nn.Module):
         self.head_size = head_size_of(hf_config)
         self.q_size = num_heads * self.head_size
         self.kv_size = num_kv_heads * self.head_size
-        bias = getattr(hf_config, "attention_bias", False)
+        qkv_bias, o_bias = biases
         hidden_size = hf_config.hidden_size
-        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=bias)
+        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
@@ -80,10 +84,13 @@ class LlamaDecoderLayer(nn.Module):
         attention_backend: str,
         sliding_window: int | None,
         qk_norm: bool,
+        attention_biases: tuple[bool, bool],
     ) -> None:
         super().__init__()
         hidden_size, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(hf_config, rotary_emb, attention_backend, sliding_window, qk_norm)
+        self.self_attn = LlamaAttention(
+            hf_config, rotary_emb, attention_backend, sliding_window, qk_norm, attention_biases
+        )
         mlp_bias = getattr(hf_config, "mlp_bias", False)
         self.mlp = LlamaMLP(hidden_size, hf_config.intermediate_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(hidden_size, eps)
@@ -114,12 +121,13 @@ class LlamaModel(nn.Module):
         attention_backend: str,
         sliding_windows: list[int | None],
         qk_norm: bool,
+        attention_biases: tuple[bool, bool],
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.rotary_emb = RotaryEmbedding.from_hf_config(hf_config, head_size_of(hf_config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, self.rotary_emb, attention_backend, window, qk_norm)
+            LlamaDecoderLayer(hf_config, self.rotary_emb, attention_backend, window, qk_norm, attention_biases)
             for window in sliding_windows
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -136,7 +144,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model interface the ModelRunner drives; Mistral and Qwen3 override the two hooks below."""
+    """The model interface the ModelRunner drives; Mistral, Qwen2 and Qwen3 override the hooks below."""
 
     # Our fused module -> the checkpoint modules stacked into it, in row order.
     packed_modules_mapping: dict[str, tuple[str, ...]] = {
@@ -151,13 +159,25 @@ class LlamaForCausalLM(nn.Module):
         """Hook: each decoder layer's sliding window (None = full attention)."""
         return [None] * hf_config.num_hidden_layers
 
+    @classmethod
+    def attention_biases(cls, hf_config: PretrainedConfig) -> tuple[bool, bool]:
+        """Hook: whether the q/k/v projections and the output projection have a bias."""
+        bias = getattr(hf_config, "attention_bias", False)
+        return bias, bias
+
     def __init__(self, hf_config: PretrainedConfig, attention_backend: str) -> None:
         super().__init__()
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported; only 'silu' is")
         self.config = hf_config
-        self.model = LlamaModel(hf_config, attention_backend, self.sliding_windows(hf_config), self.qk_norm)
+        self.model = LlamaModel(
+            hf_config,
+            attention_backend,
+            self.sliding_windows(hf_config),
+            self.qk_norm,
+            self.attention_biases(hf_config),
+        )
         tied = getattr(hf_config, "tie_word_embeddings", False)
         # Tied: logits reuse the embedding matrix, so no separate lm_head parameter exists.
         self.lm_head = None if tied else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)

@@ -7,11 +7,12 @@ from transformers import PretrainedConfig
 
 from micro_vllm.models.llama import LlamaForCausalLM
 from micro_vllm.models.mistral import MistralForCausalLM
-from micro_vllm.models.qwen import Qwen3ForCausalLM
+from micro_vllm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
