@@ -383,7 +383,7 @@ def test_cpu_without_interpreter_raises(monkeypatch) -> None:
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 class TestOnGpu:
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-    @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 64), (8, 8, 128)], ids=str)
+    @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 64), (8, 8, 128), (16, 4, 80), (8, 4, 256)], ids=str)
     def test_large_decode_batch(self, rng: random.Random, dtype: torch.dtype, heads) -> None:
         # The benchmark's steady state: 256 decodes, contexts up to 2048, block 16.
         num_heads, num_kv_heads, head_size = heads
