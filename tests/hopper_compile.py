@@ -2,7 +2,7 @@
 
 Run as a script, with TRITON_INTERPRET unset. The real launch wrappers (``triton_attn``,
 ``triton_ops``) are called on CPU tensors shaped like the benchmark model's (Qwen3-0.6B: 16 query
-heads, 8 KV heads of 128) and like a sliding-window model, in bf16 (and fp32 for attention). Each kernel launch is
+heads, 8 KV heads of 128), like a sliding-window model and with head sizes of 12, 80 and 256, in bf16 (and fp32 for attention). Each kernel launch is
 caught instead of run, and its arguments become an ahead-of-time compile with Triton's own ptxas:
 what the interpreter accepts but the GPU compiler rejects, a tile that needs more shared memory than
 an H200 block has, or a bf16/fp16 kernel that spills registers, fails here, not on the GPU machine.
@@ -100,9 +100,10 @@ def catch_launches() -> None:
     triton_attn._check_device = lambda tensor: None  # CPU tensors stand in for CUDA ones
 
 
-def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_splits: int) -> None:
+def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_splits: int,
+                       head_size: int = 128) -> None:
     backend = triton_attn.TritonBackend()
-    num_kv_heads, head_size, block_size, num_blocks = 8, 128, 16, 64
+    num_kv_heads, block_size, num_blocks = 8, 16, 64
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
     for query_lens in ([1] * 12, [300, 1, 1, 7]):  # a decode batch (decode tiles), a mixed one (prefill tiles)
         num_reqs, num_tokens = len(query_lens), sum(query_lens)
@@ -127,8 +128,9 @@ def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_s
         backend.write_and_attend(query, key, key, kv_cache, metadata, scale=head_size**-0.5, sliding_window=window)
 
 
-def layer_launches(dtype: torch.dtype) -> None:
-    hidden, heads, kv_heads, head_size, num_tokens = 1024, 16, 8, 128, 10
+def layer_launches(dtype: torch.dtype, hidden: int = 1024, heads: int = 16, kv_heads: int = 8, head_size: int = 128,
+                   intermediate: int = 3072) -> None:
+    num_tokens = 10
     x = torch.zeros(num_tokens, hidden, dtype=dtype)
     weight = torch.ones(hidden, dtype=dtype)
     triton_ops.rms_norm(x, weight, 1e-6)
@@ -141,14 +143,19 @@ def layer_launches(dtype: torch.dtype) -> None:
     triton_ops.rotary_embedding(positions, q, k, cos_sin, head_size)
     head_norm = (torch.ones(head_size, dtype=dtype), 1e-6)
     triton_ops.rotary_embedding(positions, q, k, cos_sin, head_size, (head_norm, head_norm))  # Qwen3's q/k norm
-    triton_ops.silu_and_mul(torch.zeros(num_tokens, 2 * 3072, dtype=dtype))
+    triton_ops.silu_and_mul(torch.zeros(num_tokens, 2 * intermediate, dtype=dtype))
 
 
 def main() -> int:
     catch_launches()
     layer_launches(torch.bfloat16)
+    # Widths that are no power of two, padded inside the kernels: hidden 576 (SmolLM2-135M), head 80.
+    layer_launches(torch.bfloat16, hidden=576, heads=9, kv_heads=3, head_size=80, intermediate=1536)
     for group, window, num_splits in ((2, None, 1), (2, None, 4), (4, 256, 1)):
         attention_launches(torch.bfloat16, group, window, num_splits)
+    # Padded heads (12 to 16 lanes, 80 to 128) and the widest served (256: decode takes 64-key tiles).
+    for head_size, num_splits in ((12, 1), (80, 4), (256, 1)):
+        attention_launches(torch.bfloat16, 2, None, num_splits, head_size=head_size)
     attention_launches(torch.float32, 2, None, 1)  # fp32 dots ("ieee") take another code path
     for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype
         triton_sampler.sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64))

@@ -169,7 +169,8 @@ class EveryLayerOp:
 # --- CPU, under the interpreter -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hidden, tokens", [(64, 33), (1000, 7), (1024, 1)])
+# 576, 896 and 960: hidden sizes of real checkpoints that are not powers of two (the kernels pad).
+@pytest.mark.parametrize("hidden, tokens", [(64, 33), (1000, 7), (1024, 1), (576, 5), (896, 3), (960, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm(dtype: torch.dtype, hidden: int, tokens: int) -> None:
     layer = random_norm(hidden, dtype)
@@ -192,7 +193,7 @@ def test_rms_norm_promotes_to_the_weight_dtype() -> None:
     assert_matches(out, want_out)
 
 
-@pytest.mark.parametrize("head_size, tokens", [(64, 7), (128, 33)])
+@pytest.mark.parametrize("head_size, tokens", [(64, 7), (128, 33), (80, 5), (12, 3)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_per_head_on_strided_views(dtype: torch.dtype, head_size: int, tokens: int) -> None:
     """Qwen3's q/k norm: rows are (token, head) pairs of a column slice of the fused qkv output."""
@@ -208,7 +209,8 @@ def test_rms_norm_per_head_on_strided_views(dtype: torch.dtype, head_size: int, 
 
 @pytest.mark.parametrize(
     "head_size, tokens, rope",
-    [(64, 33, LLAMA3_ROPE), (128, 7, LLAMA3_ROPE), (128, 1, dict(rope_type="default", rope_theta=1e6))],
+    [(64, 33, LLAMA3_ROPE), (128, 7, LLAMA3_ROPE), (128, 1, dict(rope_type="default", rope_theta=1e6)),
+     (12, 5, LLAMA3_ROPE), (20, 3, LLAMA3_ROPE), (80, 4, dict(rope_type="default", rope_theta=1e6))],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_embedding(dtype: torch.dtype, head_size: int, tokens: int, rope: dict) -> None:
@@ -224,7 +226,7 @@ def test_rotary_embedding(dtype: torch.dtype, head_size: int, tokens: int, rope:
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
-@pytest.mark.parametrize("head_size, tokens", [(64, 9), (128, 33), (96, 4)])
+@pytest.mark.parametrize("head_size, tokens", [(64, 9), (128, 33), (96, 4), (12, 5), (20, 3), (80, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_embedding_with_qk_norm(dtype: torch.dtype, head_size: int, tokens: int) -> None:
     """Qwen3's per-head q/k RMSNorm in the rotary launch, against the two PyTorch layers in a row."""
@@ -248,7 +250,9 @@ def test_rotary_embedding_head_size_not_a_power_of_two() -> None:
         assert torch.equal(got_part, want_part)
 
 
-@pytest.mark.parametrize("shape", [(33, 2 * 1000), (7, 2 * 1536), (1, 2 * 64), (2, 5, 2 * 64)])
+@pytest.mark.parametrize(
+    "shape", [(33, 2 * 1000), (7, 2 * 1536), (1, 2 * 64), (2, 5, 2 * 64), (3, 2 * 576), (2, 2 * 896), (1, 2 * 960)]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     # Scaled so the gate reaches the saturated ends of SiLU as well as its bend.

@@ -6,6 +6,8 @@
   different where its top two logits are far apart (the tolerance is stated in gpu_helpers.py).
 * CUDA graphs on vs off, chunked prefill on vs off, prefix caching on vs off: the same greedy
   outputs; where two bf16 runs differ, only at a near tie of transformers' logits (the same rule).
+* Head sizes 12 to 256 (no power of two among 12, 20, 80, 96), GQA 1 to 8, on triton: fp32
+  identical to transformers, bf16 up to near ties (the grid of test_model_shapes.py).
 * Seeded sampling does not depend on the batch; step inputs survive a GPU that runs behind the
   host; the Qwen3-0.6B-shaped benchmark model runs with default settings and sizes its KV cache
   from gpu_memory_utilization.
@@ -37,6 +39,7 @@ from gpu_helpers import (
     load_hf,
 )
 from micro_vllm import LLM, SamplingParams
+from test_model_shapes import SHAPES, shape_id, shape_overrides
 from tiny_models import make_tiny_model
 
 pytestmark = [
@@ -318,6 +321,24 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties(family, refs, bf16_eng
     # Near ties are rare (gaps below the tolerance at ~15-20% of positions, and only some of those
     # flip): most tokens must have been held to identity, or the comparison proved nothing.
     assert compared >= len(PROMPTS) * NUM_TOKENS // 4, f"only {compared} tokens compared"
+
+
+# -- head sizes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_head_size_grid_matches_transformers(shape, dtype, tmp_path):
+    """The triton backend (with the fused ops and CUDA graphs) on heads padded inside the kernels
+    and on the widest it serves: greedy tokens of transformers, up to the near-tie rule of dtype."""
+    path = make_tiny_model(shape[0], tmp_path, **shape_overrides(shape))
+    reference_model = load_hf(path, DTYPES[dtype], DEVICE)
+    references = [hf_greedy(reference_model, prompt, NUM_TOKENS) for prompt in PROMPTS]
+    del reference_model
+    with engine(path, dtype=dtype, max_num_batched_tokens=24, max_num_seqs=4) as llm:
+        assert runner_of(llm).settings.attention_backend == "triton"
+        outputs = llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
+    _assert_matches_reference(outputs, references, f"{shape_id(shape)}/{dtype}")
 
 
 # -- CUDA graphs on vs off -------------------------------------------------------------------------

@@ -286,34 +286,65 @@ def test_decode_steps_write_their_kv_inside_the_attention_launch(
     monkeypatch.setattr(triton_attn, "_num_splits", lambda *args: num_splits)
     monkeypatch.setattr(triton_attn, "_MIN_SPLIT_KEYS", 16)
     use_small_tiles(monkeypatch)
-    write_kernel = triton_attn._write_kv_kernel
-
-    class NoWriteLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("a decode step launched the K/V write kernel")
-
-    num_kv_heads, head_size = 2, 16
     for window, requests in ((None, [(1, rng.randint(0, 60)) for _ in range(3)] + [(0, 0), (1, 0)]),
                              (9, [(1, rng.randint(0, 60)) for _ in range(3)]),
                              (None, [(1, rng.randint(0, 60)), (rng.randint(2, 20), rng.randint(0, 20))])):
-        batch = make_batch(rng, requests, num_heads=4, num_kv_heads=num_kv_heads, head_size=head_size,
-                           block_size=16, dtype=torch.float32, sliding_window=window, num_pad_tokens=2)
-        num_tokens = batch.query.shape[0]
-        new_kv = torch.randn(2, num_tokens, num_kv_heads, head_size, device=DEVICE)
-        expected_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
-        write_kv_to_cache(new_kv[0], new_kv[1], expected_cache, batch.metadata.slot_mapping)
-        decode = batch.metadata.max_query_len == 1
-        monkeypatch.setattr(triton_attn, "_write_kv_kernel", NoWriteLaunch() if decode else write_kernel)
-        reference_cache = batch.clean_cache.clone()
-        expected = get_backend("reference").write_and_attend(
-            batch.query, *new_kv, reference_cache, batch.metadata, scale=0.25, sliding_window=window
-        )
+        batch = make_batch(rng, requests, num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
+                           dtype=torch.float32, sliding_window=window, num_pad_tokens=2)
+        check_write_and_attend(batch, window)
+
+
+@pytest.mark.parametrize("head_size, num_heads", [(12, 4), (20, 4), (80, 8), (96, 6)])
+def test_head_size_not_a_power_of_two(rng: random.Random, monkeypatch, head_size: int, num_heads: int) -> None:
+    """Heads padded to 16 lanes (12, 20) or 128 (80, 96) inside the kernels, over 2 KV heads: a
+    mixed step with a window (the write kernel, then prefill and decode rows), and a decode step
+    that stores its K/V in the attention launch, split in two (the merge kernel)."""
+    monkeypatch.setattr(triton_attn, "_num_splits", lambda *args: 2)
+    monkeypatch.setattr(triton_attn, "_MIN_SPLIT_KEYS", 16)
+    use_small_tiles(monkeypatch)
+    shape = dict(num_heads=num_heads, num_kv_heads=2, head_size=head_size, block_size=16, dtype=torch.float32)
+    mixed = make_batch(rng, random_requests(rng, 2, 2, max_context=35, max_chunk=19), sliding_window=7,
+                       num_pad_tokens=1, **shape)
+    check_write_and_attend(mixed, 7)
+    decodes = make_batch(rng, [(1, rng.randint(0, 50)) for _ in range(3)], num_pad_tokens=1, **shape)
+    check_write_and_attend(decodes, None)
+
+
+def test_head_size_above_256_is_refused(rng: random.Random) -> None:
+    backend = get_backend("triton")
+    assert backend.supports_head_size(256) and not backend.supports_head_size(272)
+    batch = make_batch(rng, [(3, 0)], num_heads=2, num_kv_heads=1, head_size=272, block_size=16,
+                       dtype=torch.float32)
+    with pytest.raises(ValueError, match="head_size=272 .*at most 256"):
+        backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=0.25, sliding_window=None)
+
+
+class NoWriteLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("a decode step launched the K/V write kernel")
+
+
+def check_write_and_attend(batch: Batch, window: int | None) -> None:
+    """The triton backend's ``write_and_attend`` of fresh K/V rows against the reference's: the
+    cache ends as the reference's write leaves it (the poison included) and the outputs match; a
+    decode step launches no write kernel (fp32 batches)."""
+    _, _, _, num_kv_heads, head_size = batch.kv_cache.shape
+    num_tokens = batch.query.shape[0]
+    new_kv = torch.randn(2, num_tokens, num_kv_heads, head_size, device=DEVICE)
+    expected_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    write_kv_to_cache(new_kv[0], new_kv[1], expected_cache, batch.metadata.slot_mapping)
+    expected = get_backend("reference").write_and_attend(
+        batch.query, *new_kv, batch.clean_cache.clone(), batch.metadata, scale=0.25, sliding_window=window
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        if batch.metadata.max_query_len == 1:
+            patch.setattr(triton_attn, "_write_kv_kernel", NoWriteLaunch())
         out = get_backend("triton").write_and_attend(
             batch.query, *new_kv, cache, batch.metadata, scale=0.25, sliding_window=window
         )
-        torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0, equal_nan=True)
-        n = batch.metadata.num_actual_tokens
-        torch.testing.assert_close(out[:n], expected[:n], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0, equal_nan=True)
+    n = batch.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n], expected[:n], atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -352,7 +383,7 @@ def test_cpu_without_interpreter_raises(monkeypatch) -> None:
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 class TestOnGpu:
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-    @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 64), (8, 8, 128)], ids=str)
+    @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 64), (8, 8, 128), (16, 4, 80), (8, 4, 256)], ids=str)
     def test_large_decode_batch(self, rng: random.Random, dtype: torch.dtype, heads) -> None:
         # The benchmark's steady state: 256 decodes, contexts up to 2048, block 16.
         num_heads, num_kv_heads, head_size = heads

@@ -6,10 +6,11 @@ import logging
 
 import torch
 
-from micro_vllm.attention.operators.registry import get_backend
+from micro_vllm.attention.operators.registry import backends_supporting, get_backend
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
+from micro_vllm.models.llama import head_size_of
 from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.worker.model_runner import ModelRunner, RunnerSettings
 
@@ -39,16 +40,24 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
     return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def resolve_attention_backend(backend: str | None, device: torch.device) -> str:
+def resolve_attention_backend(backend: str | None, device: torch.device, head_size: int) -> str:
+    """The chosen backend, which must serve the model's heads; by default triton on CUDA (when
+    Triton is installed and serves them) and sdpa elsewhere."""
     if backend is not None:
+        if not get_backend(backend).supports_head_size(head_size):
+            raise ValueError(
+                f"attention_backend={backend!r} cannot serve this model's head size {head_size}; "
+                f"choose one of {backends_supporting(head_size)}"
+            )
         return backend
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
-
-            return "triton"
         except ImportError:
             return "sdpa"
+        if get_backend("triton").supports_head_size(head_size):
+            return "triton"
+        logger.warning("the triton attention backend cannot serve head size %d; using sdpa", head_size)
     return "sdpa"
 
 
@@ -59,7 +68,7 @@ class Worker:
         device = resolve_device(model_config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        backend = resolve_attention_backend(model_config.attention_backend, device)
+        backend = resolve_attention_backend(model_config.attention_backend, device, head_size_of(hf_config))
         # Graphs need a backend that reads step sizes from the device, not from the host.
         use_graphs = device.type == "cuda" and not model_config.enforce_eager and get_backend(backend).cuda_graph_safe
         self.settings = RunnerSettings(

@@ -24,6 +24,12 @@ class AttentionBackend(ABC):
     # one decode batch replays correctly for any context lengths.
     cuda_graph_safe: bool = False
 
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        """Whether this backend serves attention heads of ``head_size`` channels (as vLLM's backends
+        say which head sizes they take); the worker checks it once, at start-up."""
+        return True
+
     @abstractmethod
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -74,6 +80,12 @@ def get_backend(name: str) -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not supported; choose one of {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
+
+
+def backends_supporting(head_size: int) -> list[str]:
+    """The names of the backends that serve heads of ``head_size`` channels."""
+    _import_builtin_backends()
+    return sorted(name for name, cls in _BACKENDS.items() if cls.supports_head_size(head_size))
 
 
 def _import_builtin_backends() -> None:

@@ -25,6 +25,12 @@ simply serves request ``i``, or request ``decode_order[i]`` when the metadata ha
 starts programs roughly in index order, so longest contexts first keeps a long program from
 starting last and running alone at the end.
 
+Head sizes need not be powers of two (80, 96, 12...): the kernels work on ``HEAD_PAD`` lanes, the
+head size rounded up to a power of two and to at least 16 (``tl.arange`` and ``tl.dot`` need both),
+and mask the lanes past the head, which load as 0 and so add nothing to either product. Heads of a
+power of two >= 16 compile to the same code as without the masks. Heads wider than 256 are refused
+(``supports_head_size``).
+
 CUDA graphs: the grid, the tile shape and the split count depend only on ``num_reqs``,
 ``query.shape[0]``, ``max_query_len``, the head counts and the device; never on sequence lengths, which
 the kernels read from ``seq_lens`` on the device. A graph captured for a decode batch therefore needs
@@ -54,6 +60,9 @@ from micro_vllm.triton_interpreter import interpreted, patch_triton_interpreter
 _MAX_SPLITS = 16
 _MIN_SPLIT_KEYS = 512
 _MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension, where the query blocks are
+# A program holds a [BLOCK_M, head size] fp32 accumulator and K/V tiles of the head size: past 256
+# they no longer fit an SM's registers and shared memory (tests/hopper_compile.py compiles 256).
+_MAX_HEAD_SIZE = 256
 
 
 @triton.jit
@@ -73,6 +82,7 @@ def _write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -82,13 +92,25 @@ def _write_kv_kernel(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     heads = tl.arange(0, HEADS_PAD)[:, None]
-    dims = tl.arange(0, HEAD_SIZE)[None, :]
-    mask = heads < NUM_KV_HEADS
+    dims = tl.arange(0, HEAD_PAD)[None, :]
+    mask = (heads < NUM_KV_HEADS) & _dim_mask(HEAD_SIZE, HEAD_PAD)[None, :]
     dst = block * cache_stride_block + offset * cache_stride_tok + heads * cache_stride_head + dims
     k = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
     v = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _dim_mask(HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Which of the HEAD_PAD lanes are channels of the head (tl.arange needs a power of two, tl.dot
+    at least 16). Without padding it is a constant all-true mask, which the compiler drops from
+    loads and stores: power-of-two heads pay nothing for it."""
+    if HEAD_PAD == HEAD_SIZE:
+        valid = tl.full([HEAD_PAD], 1, tl.int1)
+    else:
+        valid = tl.arange(0, HEAD_PAD) < HEAD_SIZE
+    return valid
 
 
 @triton.jit
@@ -114,26 +136,28 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     MASKED: tl.constexpr,  # False only for tiles every row sees in full
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over keys [tile * TILE_N, (tile + 1) * TILE_N), read through pages."""
     keys = tile * TILE_N + tl.arange(0, TILE_N)
-    dims = tl.arange(0, HEAD_SIZE)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = _dim_mask(HEAD_SIZE, HEAD_PAD)  # padding lanes load 0, so they add 0 to both dots
     if MASKED:
         # Never touch a key outside [key_start, key_end): its table entry may be a null block and
         # slots past seq_len hold stale data; masked loads return 0, so no NaN reaches P @ V.
         key_valid = (keys >= key_start) & (keys < key_end)
         page = tl.load(block_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        offset = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_tok
-        k = tl.load(k_base + offset[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0)
-        v = tl.load(v_base + offset[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
+        k_mask = key_valid[None, :] & dim_valid[:, None]
+        v_mask = key_valid[:, None] & dim_valid[None, :]
     else:
         page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
-        offset = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_tok
-        k = tl.load(k_base + offset[None, :] + dims[:, None])
-        v = tl.load(v_base + offset[:, None] + dims[None, :])
+        k_mask, v_mask = dim_valid[:, None], dim_valid[None, :]
+    offset = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_tok
+    k = tl.load(k_base + offset[None, :] + dims[:, None], mask=k_mask, other=0.0)
+    v = tl.load(v_base + offset[:, None] + dims[None, :], mask=v_mask, other=0.0)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
@@ -187,6 +211,7 @@ def _attention_kernel(
     value_stride_h,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_SIZE rounded up to a power of two >= 16 (tl.arange and tl.dot need it)
     BLOCK_SIZE: tl.constexpr,  # tokens per KV page
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # score-tile rows: BLOCK_Q * GROUP rounded up to a power of two
@@ -226,10 +251,11 @@ def _attention_kernel(
     q_pos = context_len + q_local
     token = (q_begin + q_local).to(tl.int64)
     head = kv_head * GROUP + rows % GROUP
-    dims = tl.arange(0, HEAD_SIZE)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = _dim_mask(HEAD_SIZE, HEAD_PAD)
     q = tl.load(
         q_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h + dims[None, :],
-        mask=row_valid[:, None],
+        mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
 
@@ -261,13 +287,15 @@ def _attention_kernel(
     if WRITE_KV:  # loaded before the loops, so their latency hides behind them
         token_row = q_begin.to(tl.int64)
         slot = tl.load(slot_ptr + token_row)
-        new_k = tl.load(key_ptr + token_row * key_stride_t + kv_head * key_stride_h + dims)
-        new_v = tl.load(value_ptr + token_row * value_stride_t + kv_head * value_stride_h + dims)
+        new_k = tl.load(key_ptr + token_row * key_stride_t + kv_head * key_stride_h + dims,
+                        mask=dim_valid, other=0.0)
+        new_v = tl.load(value_ptr + token_row * value_stride_t + kv_head * value_stride_h + dims,
+                        mask=dim_valid, other=0.0)
 
     # A finite floor (not -inf) keeps exp2(m_old - m_new) defined for rows that saw no key yet.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     block_row = block_table_ptr + req.to(tl.int64) * block_table_stride
     k_base = k_cache_ptr + kv_head.to(tl.int64) * cache_stride_head
     v_base = v_cache_ptr + kv_head.to(tl.int64) * cache_stride_head
@@ -275,19 +303,19 @@ def _attention_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
             scale_log2, cache_stride_block, cache_stride_tok,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, True, HAS_WINDOW, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, DOT_PRECISION,
         )
     for tile in range(full_begin, full_end):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
             scale_log2, cache_stride_block, cache_stride_tok,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, False, HAS_WINDOW, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, False, HAS_WINDOW, DOT_PRECISION,
         )
     for tile in range(full_end, tile_end):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
             scale_log2, cache_stride_block, cache_stride_tok,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, True, HAS_WINDOW, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, DOT_PRECISION,
         )
 
     # The new token's key, in the program whose range ends the cached keys (split 0 when none is
@@ -304,8 +332,8 @@ def _attention_kernel(
             if slot >= 0:
                 dst = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_tok
                 dst += kv_head.to(tl.int64) * cache_stride_head + dims
-                tl.store(k_cache_ptr + dst, new_k)
-                tl.store(v_cache_ptr + dst, new_v)
+                tl.store(k_cache_ptr + dst, new_k, mask=dim_valid)
+                tl.store(v_cache_ptr + dst, new_v, mask=dim_valid)
 
     # l_i is 0 only for rows that saw no key (padding rows, empty splits): emit 0, not NaN.
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -314,7 +342,7 @@ def _attention_kernel(
         out_offset += split * out_stride_split
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + token * lse_stride_t + head * lse_stride_h + split, lse, mask=row_valid)
-    tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
 @triton.jit
@@ -332,6 +360,7 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -339,7 +368,8 @@ def _merge_splits_kernel(
         return
     splits = tl.arange(0, SPLITS_PAD)
     split_mask = splits < NUM_SPLITS
-    dims = tl.arange(0, HEAD_SIZE)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = _dim_mask(HEAD_SIZE, HEAD_PAD)
     lse_row = lse_ptr + token * lse_stride_t + head * lse_stride_h
     lse = tl.load(lse_row + splits, mask=split_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
@@ -347,11 +377,18 @@ def _merge_splits_kernel(
     weight = tl.math.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
     partial_row = partial_ptr + token * partial_stride_t + head * partial_stride_h
     partial = tl.load(
-        partial_row + splits[:, None] * HEAD_SIZE + dims[None, :], mask=split_mask[:, None], other=0.0
+        partial_row + splits[:, None] * HEAD_SIZE + dims[None, :],
+        mask=split_mask[:, None] & dim_valid[None, :],
+        other=0.0,
     )
     total = tl.sum(weight, axis=0)
     out = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dim_valid)
+
+
+def _head_pad(head_size: int) -> int:
+    return max(16, triton.next_power_of_2(head_size))
 
 
 def _interpreting() -> bool:
@@ -414,7 +451,10 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
     taller tile so each K/V tile loaded serves more queries.
     """
     if max_query_len * group <= 16:  # then max_query_len <= 16 // group, the tile's query tokens
-        return _Tiles(16, 128, 4, 3, one_qblock_per_req=True)
+        # Heads wider than 128 take half as many keys per step: 128 keys of 256 channels spill
+        # registers on sm_90 (tests/hopper_compile.py).
+        tile_n = 128 if _head_pad(head_size) <= 128 else 64
+        return _Tiles(16, tile_n, 4, 3, one_qblock_per_req=True)
     # 32 keys per step: on the sweep's prefill step 378.3 against 407.5 us for 64 keys (and 384.1
     # against 403.8 in an earlier call); the nine other shapes timed were slower.
     return _Tiles(max(64, triton.next_power_of_2(group)), 32, 4, 2, one_qblock_per_req=False)
@@ -423,6 +463,10 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
 @register_backend("triton")
 class TritonBackend(AttentionBackend):
     cuda_graph_safe = True  # grids depend on batch shape only; lengths are read on the device
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return 0 < head_size <= _MAX_HEAD_SIZE
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -453,6 +497,7 @@ class TritonBackend(AttentionBackend):
             NUM_KV_HEADS=num_kv_heads,
             HEADS_PAD=triton.next_power_of_2(num_kv_heads),
             HEAD_SIZE=head_size,
+            HEAD_PAD=_head_pad(head_size),
             BLOCK_SIZE=block_size,
         )
 
@@ -483,8 +528,11 @@ class TritonBackend(AttentionBackend):
         _check_device(query)
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
-        if head_size != cache_head_size or head_size < 16 or head_size & (head_size - 1):
-            raise ValueError(f"head_size must be a power of two >= 16 matching the cache, got {head_size}")
+        if head_size != cache_head_size or not self.supports_head_size(head_size):
+            raise ValueError(
+                f"head_size={head_size} (the cache's: {cache_head_size}) is not served: the query's and the "
+                f"cache's must match and be at most {_MAX_HEAD_SIZE}"
+            )
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if query.stride(-1) != 1:
@@ -552,6 +600,7 @@ class TritonBackend(AttentionBackend):
             value.stride(1),
             GROUP=group,
             HEAD_SIZE=head_size,
+            HEAD_PAD=_head_pad(head_size),
             BLOCK_SIZE=block_size,
             BLOCK_Q=block_q,
             BLOCK_M=tiles.block_m,
@@ -581,6 +630,7 @@ class TritonBackend(AttentionBackend):
                 NUM_SPLITS=num_splits,
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
                 HEAD_SIZE=head_size,
+                HEAD_PAD=_head_pad(head_size),
                 num_warps=4,
             )
         return out
