@@ -152,6 +152,12 @@ def test_keyword_form_names_the_field(tmp_path):
         LLM(model=str(tmp_path), gpu_memory_utilization="0.9")
 
 
+@pytest.mark.parametrize("config", [123, {"model": "m"}, b"path"])
+def test_llm_config_of_the_wrong_kind_is_named(config):
+    with pytest.raises(TypeError, match=r"config=.* is not allowed; it must be an LLMConfig or a model path"):
+        LLM(config)
+
+
 # -- an engine that must stay untouched --------------------------------------------------------
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -194,7 +200,7 @@ def untouched(llm, monkeypatch):
     execute_model = engine.executor.execute_model
     monkeypatch.setattr(engine.executor, "execute_model", lambda plan: steps.append(plan) or execute_model(plan))
     yield llm
-    assert steps == [] and not engine.scheduler.requests and not engine.in_flight
+    assert steps == [] and not engine.scheduler.requests and not engine.in_flight and not engine.prompts
     kv = engine.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks
 

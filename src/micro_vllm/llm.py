@@ -33,6 +33,8 @@ class LLM:
             if model is None:
                 raise TypeError("LLM needs an LLMConfig or model=...")
             config = LLMConfig.from_kwargs(model, **kwargs)
+        elif not isinstance(config, LLMConfig):
+            raise reject("config", config, "an LLMConfig or a model path (str)", TypeError)
         elif model is not None or kwargs:
             raise TypeError("give LLM either an LLMConfig or keywords, not both")
         self.config = config
