@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from tiny_models import FAMILIES, load_hf_reference, make_tiny_model, tiny_config
 
+from micro_vllm import LLM, SamplingParams
 from micro_vllm.attention.attention import AttentionMetadata
 from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.layers.norm import RMSNorm
@@ -354,3 +355,33 @@ def test_sharded_checkpoint_loads(tmp_path, model_dirs):
     sharded, single = load_ours(path, "reference"), load_ours(model_dirs["qwen3_sliding"], "reference")
     for (name, a), (_, b) in zip(sharded.state_dict().items(), single.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+# --- contexts past max_position_embeddings ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family, overrides, limit",
+    [
+        ("llama_rope_linear", dict(max_position_embeddings=32), 128),  # 32 positions stretched 4x
+        ("qwen2_rope_yarn", dict(max_position_embeddings=64), 256),  # 4x its pretraining length of 64
+        ("llama_rope_dynamic", dict(max_position_embeddings=32), 32),  # no longer context: see _dynamic_ntk
+    ],
+)
+def test_rope_scaling_serves_the_context_vllm_derives(tmp_path, family, overrides, limit):
+    """linear and YaRN serve ``factor`` times the pretraining context, greedy tokens equal to
+    transformers' past max_position_embeddings; dynamic NTK ends at max_position_embeddings."""
+    path = make_tiny_model(family, tmp_path, **overrides)
+    with LLM(model=str(path), device="cpu", attention_backend="sdpa", block_size=8) as llm:
+        assert llm.engine.max_model_len == limit
+    with pytest.raises(ValueError, match=f"max_model_len={limit + 1} is not allowed"):
+        LLM(model=str(path), device="cpu", max_model_len=limit + 1)
+    if limit == overrides["max_position_embeddings"]:
+        return
+    prompt = prompts_for(seed=4, lengths=(limit - 30,))[0]  # prompt and output run past the original length
+    reference = load_hf_reference(path)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    with LLM(model=str(path), device="cpu", attention_backend="sdpa", block_size=8) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out[0].output_token_ids == expected.tolist()

@@ -27,6 +27,7 @@ from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.core.scheduler import Scheduler
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.engine.output import RequestOutput
+from micro_vllm.layers.rotary import max_rope_position
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.model_loader.default import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
@@ -265,7 +266,7 @@ def _token_ids(value: object) -> list[int]:
 
 
 def _resolve_max_model_len(config: LLMConfig, hf_config) -> int:
-    model_limit = getattr(hf_config, "max_position_embeddings", None)
+    model_limit = max_rope_position(hf_config)
     requested = config.scheduler_config.max_model_len
     if requested is None:
         if model_limit is None:

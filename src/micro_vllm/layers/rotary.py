@@ -36,6 +36,21 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
+def max_rope_position(hf_config: Any) -> int | None:
+    """The longest context the config's RoPE serves, as vLLM derives it: ``linear`` stretches every
+    position by ``factor`` and YaRN serves ``factor`` times its pretraining length, so both reach past
+    ``max_position_embeddings``; the others end there (``dynamic``: see ``_dynamic_ntk``)."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is None:
+        return None
+    params = rope_parameters(hf_config)
+    if params["rope_type"] == "linear":
+        return int(limit * params["factor"])
+    if params["rope_type"] == "yarn":
+        return max(limit, int(params["original_max_position_embeddings"] * params["factor"]))
+    return limit
+
+
 def inverse_frequencies(head_size: int, params: dict[str, Any]) -> torch.Tensor:
     """One rotation frequency per pair of channels, in fp32: [head_size // 2]."""
     rope_type = params["rope_type"]
@@ -85,7 +100,7 @@ def _dynamic_ntk(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor
     match queries after it, so no paged KV cache can reproduce it. vLLM instead uses one base, the one
     for ``max_position_embeddings * factor`` tokens, at every position, which differs from
     transformers even on short sequences. Our cos/sin cache ends at ``max_position_embeddings`` and the
-    engine refuses a longer ``max_model_len``, so the rescaling never applies and our tokens are
+    engine refuses a longer ``max_model_len`` (``max_rope_position``), so the rescaling never applies and our tokens are
     transformers' at every length we accept; the price is that dynamic scaling extends no context.
     """
     return inv_freq
@@ -159,7 +174,7 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, head_size: int) -> RotaryEmbedding:
-        return cls(head_size, hf_config.max_position_embeddings, rope_parameters(hf_config))
+        return cls(head_size, max_rope_position(hf_config), rope_parameters(hf_config))
 
     def forward(
         self,
