@@ -53,10 +53,12 @@ class Scenario:
             enable_chunked_prefill=self.enable_chunked_prefill,
             enable_caching=self.enable_caching if enable_caching is None else enable_caching,
         )
-        # Just enough blocks for the longest request alone (what ``check_fits`` asks), plus extra.
+        # Just enough blocks for the longest request alone (what ``check_fits`` asks: with chunked
+        # prefill, a sliding window in one-token steps), plus extra.
         longest = max(min(len(a.prompt) + a.max_tokens, self.max_model_len) for a in self.arrivals)
         probe = make_scheduler(num_blocks=2, **config).kv_cache_manager
-        one_request = probe.max_blocks_needed(longest, self.max_num_batched_tokens)
+        smallest_chunk = 1 if self.enable_chunked_prefill else self.max_num_batched_tokens
+        one_request = probe.max_blocks_needed(longest, smallest_chunk)
         extra = self.extra_blocks if extra_blocks is None else extra_blocks
         return make_scheduler(num_blocks=1 + one_request + extra, **config)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from core_helpers import (
-    check_all_free, check_invariants, fake_output, make_request, make_scheduler, run_to_completion, sliding,
+    FULL, check_all_free, check_invariants, fake_output, make_request, make_scheduler, run_to_completion, sliding,
 )
 from micro_vllm.core.request import RequestStatus
 
@@ -235,6 +235,49 @@ def test_sliding_window_runs_a_request_longer_than_the_cache():
 
         run_to_completion(scheduler, check=check)
         assert request.num_output_tokens == 80 and peak <= 7
+
+
+def test_sliding_window_steps_shrink_to_what_the_cache_holds():
+    # With a budget of 64 one step would hold 7 + 64 tokens of a window of 8: 19 blocks of 4, more
+    # than the 7 usable. Steps of 17 tokens hold at most cdiv(7 + 17, 4) + 1 = 7; 18 would need 8.
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=64, specs=(sliding(8),))
+    request = make_request(60, max_tokens=40)
+    assert scheduler.check_fits(request) == 17
+    scheduler.add_request(request)
+    steps = []
+
+    def check(s, plan):
+        check_invariants(s)
+        steps.append(plan.total_num_scheduled_tokens)
+
+    run_to_completion(scheduler, check=check)
+    assert request.num_output_tokens == 40 and max(steps) == 17
+    check_all_free(scheduler)
+    # Room to spare: the whole budget.
+    assert make_scheduler(num_blocks=40, max_num_batched_tokens=64, specs=(sliding(8),)).check_fits(request) == 64
+
+
+@pytest.mark.parametrize("num_blocks, specs, enable_chunked_prefill", [
+    (3, (sliding(8),), True),  # even a one-token step sees 8 keys: 3 blocks of 4
+    (8, (sliding(8),), False),  # without chunking a prompt, or a resumed request, is one step
+    (1 + 24 + 3, (FULL, sliding(8)), True),  # the full layers need all 25 blocks of 100 tokens
+])
+def test_request_whose_smallest_step_does_not_fit_is_refused(num_blocks, specs, enable_chunked_prefill):
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=128, specs=specs,
+                               enable_chunked_prefill=enable_chunked_prefill)
+    with pytest.raises(ValueError, match="can never fit"):
+        scheduler.add_request(make_request(60, max_tokens=40))
+    assert not scheduler.requests
+
+
+def test_mixed_model_steps_shrink_for_the_window_group_only():
+    scheduler = make_scheduler(num_blocks=1 + 25 + 7, max_num_batched_tokens=128, specs=(FULL, sliding(8)))
+    request = make_request(60, max_tokens=40)
+    scheduler.add_request(request)  # 25 blocks for the full layers, 7 for the window in steps of 17
+    assert scheduler.max_chunk_tokens[request.request_id] == 17
+    run_to_completion(scheduler, check=lambda s, plan: check_invariants(s))
+    assert request.num_output_tokens == 40
+    check_all_free(scheduler)
 
 
 def test_async_scheduling_plans_ahead_and_drops_the_token_after_a_stop():

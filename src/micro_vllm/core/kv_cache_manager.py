@@ -66,6 +66,23 @@ class KVCacheManager:
     def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
         return sum(m.max_blocks_needed(num_tokens, max_chunk_tokens) for m in self.managers)
 
+    def max_chunk_that_fits(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The largest step, at most ``max_chunk_tokens``, with which one request of ``num_tokens``
+        fits the whole cache; 0 when not even a one-token step does. Full attention holds every
+        block whatever the step, a sliding window only the window plus the step: in small enough
+        steps a long request runs on a cache far smaller than its length."""
+        usable = self.num_usable_blocks
+        if self.max_blocks_needed(num_tokens, max_chunk_tokens) <= usable:
+            return max_chunk_tokens
+        fits, too_big = 0, max_chunk_tokens  # the need only grows with the step
+        while too_big - fits > 1:
+            mid = (fits + too_big) // 2
+            if self.max_blocks_needed(num_tokens, mid) <= usable:
+                fits = mid
+            else:
+                too_big = mid
+        return fits
+
     def get_computed_blocks(self, request: Request) -> tuple[BlocksPerGroup, int]:
         """The longest cached prefix of ``request`` that every group can reuse, and its length.
 

@@ -30,22 +30,31 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.finished_req_ids: set[str] = set()  # since the last plan; the runner drops them
+        self.max_chunk_tokens: dict[str, int] = {}  # per request: the largest step its blocks fit in
 
     # -- requests in and out -------------------------------------------------------------------
 
-    def check_fits(self, request: Request) -> None:
-        """Refuse a request that could not run even with the whole cache to itself."""
+    def check_fits(self, request: Request) -> int:
+        """Refuse a request that could not run even with the whole cache to itself; return the most
+        tokens one step may compute for it. A sliding window holds only the window plus the step,
+        so with chunked prefill a request longer than the cache runs in steps small enough to fit;
+        without it a prompt, or a resumed request, is computed in one step of up to the budget."""
         limit = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
-        needed = self.kv_cache_manager.max_blocks_needed(limit, self.config.max_num_batched_tokens)
-        if needed > self.kv_cache_manager.num_usable_blocks:
+        kv = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        max_chunk = kv.max_chunk_that_fits(limit, budget)
+        smallest_chunk = 1 if self.config.enable_chunked_prefill else budget
+        if max_chunk < smallest_chunk:
+            needed = kv.max_blocks_needed(limit, smallest_chunk)
             raise ValueError(
                 f"request {request.request_id!r} can never fit: {limit} tokens need {needed} KV blocks but the "
-                f"cache holds {self.kv_cache_manager.num_usable_blocks}; lower max_model_len or max_tokens, or "
+                f"cache holds {kv.num_usable_blocks}; lower max_model_len or max_tokens, or "
                 f"give the cache more memory"
             )
+        return max_chunk
 
     def add_request(self, request: Request) -> None:
-        self.check_fits(request)
+        self.max_chunk_tokens[request.request_id] = self.check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -118,7 +127,7 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                          step.budget)
+                          step.budget, self.max_chunk_tokens[request.request_id])
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -144,7 +153,7 @@ class Scheduler:
             num_new = request.num_tokens - num_computed
             if num_new > step.budget and not self.config.enable_chunked_prefill:
                 return
-            num_new = min(num_new, step.budget)
+            num_new = min(num_new, step.budget, self.max_chunk_tokens[request.request_id])
             if kv.allocate_slots(request, num_new, num_computed, computed_blocks) is None:
                 return
             self.waiting.popleft()
@@ -223,6 +232,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        del self.max_chunk_tokens[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
 
