@@ -81,6 +81,7 @@ class Scheduler:
         for request in aborted:
             request.status = RequestStatus.FINISHED_ABORTED
         self.requests.clear()
+        self.max_chunk_tokens.clear()
         self.waiting.clear()
         self.running.clear()
         self.finished_req_ids.clear()  # the runner forgets every request too
