@@ -93,3 +93,16 @@ def test_request_that_can_never_fit_is_refused_up_front(model_dirs, family, num_
     with _llm(model_dirs[family], num_blocks, enable_chunked_prefill=chunked, max_num_batched_tokens=128) as llm:
         with pytest.raises(ValueError, match="can never fit"):
             llm.generate([PROMPT], SamplingParams(max_tokens=NUM_NEW_TOKENS), use_tqdm=False)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3_sliding"])
+def test_cpu_cache_is_sized_by_what_a_window_holds(model_dirs, family):
+    """Without num_blocks, the CPU cache holds what max_num_seqs requests could hold at once: a
+    windowed group counts the window plus a step, not the whole max_model_len."""
+    window = tiny_config(family).sliding_window
+    max_model_len, budget, max_num_seqs = 128, 8, 3
+    full_groups = int(family == "qwen3_sliding")
+    per_request = full_groups * cdiv(max_model_len, BLOCK_SIZE) + cdiv(window - 1 + budget, BLOCK_SIZE) + 1
+    with LLM(model=str(model_dirs[family]), device="cpu", attention_backend="reference", max_model_len=max_model_len,
+             block_size=BLOCK_SIZE, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs) as llm:
+        assert llm.engine.num_blocks == max_num_seqs * per_request + 1

@@ -25,3 +25,12 @@ class AttentionSpec:
     @property
     def kind(self) -> str:
         return "full" if self.sliding_window is None else f"sliding_window({self.sliding_window})"
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int, block_size: int) -> int:
+        """The most blocks one request of ``num_tokens`` holds at once in a layer of this spec, when a
+        step computes at most ``max_chunk_tokens`` of it (vLLM's ``KVCacheSpec.max_memory_usage``).
+        Full attention keeps every block; a window only the window before the step and the step."""
+        all_blocks = -(-num_tokens // block_size)
+        if self.sliding_window is None:
+            return all_blocks
+        return min(all_blocks, -(-(self.sliding_window - 1 + max_chunk_tokens) // block_size) + 1)

@@ -87,9 +87,9 @@ class SingleTypeKVCacheManager(ABC):
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
         """The cached blocks that let a request skip its first ``len(result) * block_size`` tokens."""
 
-    @abstractmethod
     def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """The most blocks one request of ``num_tokens`` holds at once."""
+        return self.spec.max_blocks_per_request(num_tokens, max_chunk_tokens, self.block_size)
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -101,9 +101,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 break
             hit.append(block)
         return hit
-
-    def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -139,9 +136,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             removed.append(blocks[i])
             blocks[i] = self.block_pool.null_block
         self.block_pool.free_blocks(removed, request_id)
-
-    def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        return min(cdiv(num_tokens, self.block_size), cdiv(self.window - 1 + max_chunk_tokens, self.block_size) + 1)
 
 
 def make_manager(spec: AttentionSpec, block_pool: BlockPool, block_size: int, group_id: int) -> SingleTypeKVCacheManager:

@@ -64,7 +64,13 @@ class Engine:
 
         self.executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
         groups = make_kv_cache_groups(self.executor.get_attention_specs())
-        self.num_blocks = self.executor.determine_num_blocks(len(groups))
+        max_blocks_per_request = sum(
+            g.spec.max_blocks_per_request(
+                self.max_model_len, config.scheduler_config.max_num_batched_tokens, config.cache_config.block_size
+            )
+            for g in groups
+        )
+        self.num_blocks = self.executor.determine_num_blocks(max_blocks_per_request)
         self.executor.initialize_kv_cache(groups, self.num_blocks)
         cache_config = config.cache_config
         kv_cache_manager = KVCacheManager(

@@ -21,8 +21,8 @@ class SingleProcessExecutor:
     def get_attention_specs(self) -> list[AttentionSpec]:
         return self.worker.model_runner.get_attention_specs()
 
-    def determine_num_blocks(self, num_groups: int) -> int:
-        return self.worker.determine_num_blocks(num_groups)
+    def determine_num_blocks(self, max_blocks_per_request: int) -> int:
+        return self.worker.determine_num_blocks(max_blocks_per_request)
 
     def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         self.worker.initialize_kv_cache(groups, num_blocks)

@@ -84,10 +84,11 @@ class Worker:
         )
         self.model_runner = ModelRunner(self.settings, model_path, hf_config)
 
-    def determine_num_blocks(self, num_groups: int) -> int:
+    def determine_num_blocks(self, max_blocks_per_request: int) -> int:
         """How many KV blocks fit: an explicit ``num_blocks`` wins; on CUDA what is left of
         ``gpu_memory_utilization`` after a profiling run; on CPU the ``cpu_kv_cache_gib`` budget,
-        capped at what the scheduler could ever use."""
+        capped at what the scheduler could ever use (``max_num_seqs`` requests holding
+        ``max_blocks_per_request`` each, over all KV cache groups)."""
         cache_config = self.config.cache_config
         if cache_config.num_blocks is not None:
             return cache_config.num_blocks
@@ -107,8 +108,7 @@ class Worker:
             logger.info("KV cache: %d blocks (%.1f GiB)", num_blocks, num_blocks * bytes_per_block / 2**30)
         else:
             budget = int(cache_config.cpu_kv_cache_gib * 2**30 // bytes_per_block)
-            blocks_per_seq = -(-settings.max_model_len // settings.block_size)
-            num_blocks = min(budget, settings.max_num_seqs * blocks_per_seq * num_groups + 1)
+            num_blocks = min(budget, settings.max_num_seqs * max_blocks_per_request + 1)
         if num_blocks < 2:
             raise ValueError(
                 f"no room for the KV cache: {num_blocks} blocks fit; raise gpu_memory_utilization or "
