@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from micro_vllm import LLM
+from micro_vllm import LLM, SamplingParams
 from micro_vllm.worker.model_runner import DeviceStepOutput
 from tiny_models import make_tiny_model
 
@@ -107,23 +107,16 @@ def test_cpu_benchmark_counts_the_same_useful_tokens_on_both_sides(tmp_path):
     llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="sdpa", max_model_len=128)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [[1 + i] * (3 + 5 * i) for i in range(4)]  # different lengths: transformers pads them
-    no_eos: set[int] = set()
-    tokens, _ = cpu.run_micro_vllm(llm, prompts, 12, no_eos, ignore_eos=True)
-    assert tokens == 4 * 12
-    first = llm.generate([{"prompt_token_ids": prompts[0]}], cpu_params(12), use_tqdm=False)[0]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], greedy, use_tqdm=False)[0]
     eos = {first.output_token_ids[3]}
+    # --single ignores EOS on both sides, so both make and count exactly the tokens asked for
+    assert cpu.run_micro_vllm(llm, prompts, 12, eos, ignore_eos=True)[0] == 4 * 12
+    assert cpu.run_transformers(model, prompts, 12, eos, pad_token_id=0, ignore_eos=True)[0] == 4 * 12
     ours, _ = cpu.run_micro_vllm(llm, prompts, 12, eos)
     theirs, _ = cpu.run_transformers(model, prompts, 12, eos, pad_token_id=0)
     assert ours == theirs < 4 * 12
     assert cpu.useful_tokens([5, 7, 9, 7], {7}) == 2 and cpu.useful_tokens([5, 6], {7}) == 2
-    # --single ignores EOS on both sides, so both make exactly the tokens asked for
-    assert cpu.run_transformers(model, prompts[:1], 6, eos, pad_token_id=0, ignore_eos=True)[0] == 6
-
-
-def cpu_params(max_tokens):
-    from micro_vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
 def test_gpu_busy_counts_overlapping_intervals_once():
