@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from micro_vllm import LLM
+from micro_vllm import LLM, SamplingParams
 from micro_vllm.worker.model_runner import DeviceStepOutput
 from tiny_models import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import cpu  # noqa: E402
 import scheduler_bench  # noqa: E402
 import throughput  # noqa: E402
 
@@ -95,6 +96,27 @@ def test_profile_steps_profiles_the_window_it_is_asked_for(tmp_path):
     assert "aten::" in table  # operators were recorded
     assert all(n > 0 for n in prefill_tokens[1:3])  # the profiled steps 2 and 3 prefill
     assert llm.engine.step == counting_step  # the caller's own wrapper is back
+
+
+def test_cpu_benchmark_counts_the_same_useful_tokens_on_both_sides(tmp_path):
+    """Both sides run the same greedy prompts (transformers left-padded) and count tokens up to and
+    including the first EOS; a token that micro-vLLM's first output makes at its 4th step serves as EOS."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model("llama", tmp_path)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="sdpa", max_model_len=128)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[1 + i] * (3 + 5 * i) for i in range(4)]  # different lengths: transformers pads them
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], greedy, use_tqdm=False)[0]
+    eos = {first.output_token_ids[3]}
+    # --single ignores EOS on both sides, so both make and count exactly the tokens asked for
+    assert cpu.run_micro_vllm(llm, prompts, 12, eos, ignore_eos=True)[0] == 4 * 12
+    assert cpu.run_transformers(model, prompts, 12, eos, pad_token_id=0, ignore_eos=True)[0] == 4 * 12
+    ours, _ = cpu.run_micro_vllm(llm, prompts, 12, eos)
+    theirs, _ = cpu.run_transformers(model, prompts, 12, eos, pad_token_id=0)
+    assert ours == theirs < 4 * 12
+    assert cpu.useful_tokens([5, 7, 9, 7], {7}) == 2 and cpu.useful_tokens([5, 6], {7}) == 2
 
 
 def test_gpu_busy_counts_overlapping_intervals_once():

@@ -6,7 +6,7 @@ an ``AttentionMetadata`` on every forward, so there is no hidden global context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ class AttentionMetadata:
     # int32 [num_reqs], decode steps only: the order in which a backend may start the requests'
     # work (longest context first, so the long programs do not finish last); None: request order.
     decode_order: torch.Tensor | None = None
+    # What a backend derives from the fields above for this step (gather indices, masks), built by
+    # the group's first layer and reused by the others; keyed by the backend.
+    backend_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_reqs(self) -> int:

@@ -1,13 +1,104 @@
-"""PyTorch's scaled_dot_product_attention over K/V gathered through the block table."""
+"""PyTorch's scaled_dot_product_attention over the whole step in one call per layer and batch.
+
+A step's requests form two padded batches: its decodes (one query each) and its prefill chunks (padded
+to the longest chunk), so a step that mixes both does not pad every decode to a chunk's length. For
+each batch, the positions every layer reads (the flat cache slot of each request's keys, the query
+rows, the causal and sliding-window mask) are computed once per step and shared by the layers of a
+KV-cache group through ``AttentionMetadata.backend_cache``; a layer then runs one gather of its K/V
+and one attention call per batch, with no per-request Python.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from micro_vllm.attention.attention import AttentionMetadata
-from micro_vllm.attention.operators.reference import attention_mask, gather_context, write_kv_to_cache
+from micro_vllm.attention.operators.reference import write_kv_to_cache
 from micro_vllm.attention.operators.registry import AttentionBackend, register_backend
+
+
+@dataclass
+class PaddedBatch:
+    """Some of a step's requests as rows of ``num_queries`` query slots over ``num_keys`` key slots.
+
+    A request's key slots start at the first key its queries may see (the window's start), so a
+    sliding window bounds ``num_keys`` whatever the context length.
+    """
+
+    num_queries: int
+    num_keys: int
+    query_rows: torch.Tensor  # int64 [R * num_queries]: each query slot's token row (padding: a valid row)
+    kv_slots: torch.Tensor  # int64 [R * num_keys]: each key slot's flat cache slot
+    # bool [R, 1, group * num_queries (1 for decodes: it broadcasts), num_keys]: True where a query
+    # slot sees a key slot
+    mask: torch.Tensor
+    real_slots: torch.Tensor  # int64 [tokens of these requests]: the query slots holding real tokens
+    token_rows: torch.Tensor  # int64 [tokens of these requests]: their token rows, in the same order
+
+
+def padded_batch(metadata: AttentionMetadata, requests_cpu: torch.Tensor, block_size: int,
+                 sliding_window: int | None, group: int) -> PaddedBatch:
+    """The padded layout of ``requests_cpu`` (indices into the step's requests), for layers with
+    ``group`` query heads per KV head."""
+    device = metadata.seq_lens.device
+    requests = requests_cpu.to(device)
+    starts_cpu = metadata.query_start_loc_cpu.long()
+    query_lens_cpu = starts_cpu[requests_cpu + 1] - starts_cpu[requests_cpu]
+    seq_lens_cpu = metadata.seq_lens_cpu[requests_cpu].long()
+    num_queries = int(query_lens_cpu.max())
+    first_key_cpu = _first_visible_key(seq_lens_cpu, query_lens_cpu, sliding_window)
+    num_keys = int((seq_lens_cpu - first_key_cpu).max())
+
+    query_start = metadata.query_start_loc[requests].long()[:, None]
+    query_lens = query_lens_cpu.to(device)[:, None]
+    seq_lens = seq_lens_cpu.to(device)[:, None]
+    first_key = first_key_cpu.to(device)[:, None]
+    query_offset = torch.arange(num_queries, device=device)[None, :]
+    is_real = query_offset < query_lens  # [R, Q]
+    query_rows = query_start + torch.minimum(query_offset, query_lens - 1)
+    query_pos = seq_lens - query_lens + query_offset  # [R, Q]
+
+    key_pos = first_key + torch.arange(num_keys, device=device)[None, :]  # [R, K]
+    in_context = key_pos < seq_lens
+    # Padding key slots read the request's last key: never a slot outside its context, whose
+    # contents (even NaN) would reach the output through the masked scores.
+    read_pos = torch.minimum(key_pos, seq_lens - 1)
+    blocks = metadata.block_table[requests].long().gather(1, read_pos // block_size)
+    kv_slots = blocks * block_size + read_pos % block_size
+
+    mask = (key_pos[:, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
+    if sliding_window is not None:
+        mask &= key_pos[:, None, :] > query_pos[:, :, None] - sliding_window
+    if num_queries > 1:  # as the queries are laid out: each KV head's query heads one after another
+        mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(requests_cpu), group * num_queries, num_keys)
+    real_slots = is_real.flatten().nonzero().squeeze(1)
+    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_slots.flatten(), mask[:, None],
+                       real_slots, query_rows.flatten()[real_slots])
+
+
+def _first_visible_key(seq_lens: torch.Tensor, query_lens: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """The first position a request's first query may see: 0, or its window's start."""
+    if sliding_window is None:
+        return torch.zeros_like(seq_lens)
+    return (seq_lens - query_lens - sliding_window + 1).clamp(min=0)
+
+
+def step_batches(metadata: AttentionMetadata, block_size: int, sliding_window: int | None,
+                 group: int) -> list[PaddedBatch]:
+    """The step's decodes and its prefill chunks as padded batches, built on the first layer's call
+    and shared by the later layers of the group."""
+    key = ("sdpa", block_size, sliding_window, group)
+    if key not in metadata.backend_cache:
+        starts = metadata.query_start_loc_cpu.long()
+        query_lens = starts[1:] - starts[:-1]
+        selections = (query_lens == 1, query_lens > 1)
+        metadata.backend_cache[key] = [padded_batch(metadata, selected.nonzero().squeeze(1), block_size,
+                                                    sliding_window, group)
+                                       for selected in selections if selected.any()]
+    return metadata.backend_cache[key]
 
 
 @register_backend("sdpa")
@@ -16,19 +107,22 @@ class SdpaBackend(AttentionBackend):
         write_kv_to_cache(key, value, kv_cache, slot_mapping)
 
     def forward(self, query, kv_cache, metadata: AttentionMetadata, *, scale, sliding_window):
-        output = torch.zeros_like(query)
-        starts = metadata.query_start_loc_cpu.tolist()
-        for i, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
-            start, end = starts[i], starts[i + 1]
-            keys, values = gather_context(kv_cache, metadata.block_table[i], seq_len)
-            mask = attention_mask(end - start, seq_len, sliding_window, query.device)
-            out = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1),  # [heads, q, d]
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=keys.shape[1] != query.shape[1],
-            )
-            output[start:end] = out.transpose(0, 1)
+        _, block_size, num_kv_heads, head_size = kv_cache.shape[1:]
+        num_heads = query.shape[1]
+        group = num_heads // num_kv_heads  # query heads per KV head
+        keys, values = kv_cache.view(2, -1, num_kv_heads, head_size)
+        output = torch.empty_like(query)
+        for batch in step_batches(metadata, block_size, sliding_window, group):
+            q_len, k_len = batch.num_queries, batch.num_keys
+            # Each KV head's query heads stacked along the query axis, so one call serves GQA
+            # without repeating K/V: [R, kv_heads, group * q_len, d].
+            q = query.index_select(0, batch.query_rows).view(-1, q_len, num_kv_heads, group, head_size)
+            num_reqs = q.shape[0]
+            q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * q_len, head_size)
+            k = keys.index_select(0, batch.kv_slots).view(num_reqs, k_len, num_kv_heads, head_size).transpose(1, 2)
+            v = values.index_select(0, batch.kv_slots).view(num_reqs, k_len, num_kv_heads, head_size).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
+            out = out.view(num_reqs, num_kv_heads, group, q_len, head_size).permute(0, 3, 1, 2, 4)
+            out = out.reshape(num_reqs * q_len, num_heads, head_size)
+            output.index_copy_(0, batch.token_rows, out.index_select(0, batch.real_slots))
         return output

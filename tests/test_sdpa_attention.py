@@ -1,0 +1,67 @@
+"""The batched sdpa backend against the reference backend, on random paged batches (fresh each run).
+
+The batches come from test_triton_attention's builder: shuffled pages, decodes mixed with prefill
+chunks, windows whose pages before the window are unmapped, and a cache poisoned with NaN wherever
+no request's context lies, so a read outside a context shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from micro_vllm.attention.operators import sdpa
+from micro_vllm.attention.operators.registry import get_backend
+from test_triton_attention import make_batch, random_requests, rng  # noqa: F401 (rng: a fixture)
+
+# (num_heads, num_kv_heads, head_size, block_size, sliding_window)
+SHAPES = [
+    (2, 2, 16, 4, None),  # MHA, several pages per context
+    (6, 2, 32, 16, None),  # GQA 3
+    (4, 1, 16, 8, 5),  # GQA 4 with a window shorter than a chunk
+    (8, 2, 16, 16, 20),  # window spanning a page boundary
+]
+
+
+def check_sdpa_against_reference(batch, window) -> None:
+    scale = batch.query.shape[-1] ** -0.5
+    expected = get_backend("reference").forward(batch.query, batch.clean_cache, batch.metadata, scale=scale,
+                                                sliding_window=window)
+    out = get_backend("sdpa").forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
+                                      sliding_window=window)
+    n = batch.metadata.num_actual_tokens
+    assert not out[:n].isnan().any(), "NaN in the output: sdpa read a slot outside a request's context"
+    torch.testing.assert_close(out[:n], expected[:n], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"H{s[0]}-KV{s[1]}-D{s[2]}-B{s[3]}-w{s[4]}")
+@pytest.mark.parametrize("mix", ["decodes", "chunks", "mixed"])
+def test_batched_forward_matches_reference(rng: random.Random, shape, mix) -> None:  # noqa: F811
+    num_heads, num_kv_heads, head_size, block_size, window = shape
+    num_decodes, num_chunks = {"decodes": (5, 0), "chunks": (0, 3), "mixed": (4, 3)}[mix]
+    requests = random_requests(rng, num_decodes, num_chunks, max_context=3 * block_size + 5, max_chunk=23)
+    batch = make_batch(rng, requests, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                       block_size=block_size, dtype=torch.float32, sliding_window=window,
+                       num_pad_tokens=rng.randint(0, 2), device="cpu")
+    check_sdpa_against_reference(batch, window)
+
+
+def test_layers_share_the_step_layout_per_window(rng: random.Random) -> None:  # noqa: F811
+    """The gather indices and masks are built once per step and window, not once per layer."""
+    batch = make_batch(rng, [(1, 9), (4, 0), (1, 30)], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                       dtype=torch.float32, device="cpu")
+    built = []
+    original = sdpa.padded_batch
+
+    def counting(*args, **kwargs):
+        built.append(args[3])  # the window
+        return original(*args, **kwargs)
+
+    backend = get_backend("sdpa")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sdpa, "padded_batch", counting)
+        for window in (None, None, 6, None, 6):
+            backend.forward(batch.query, batch.clean_cache, batch.metadata, scale=0.25, sliding_window=window)
+    assert built == [None, None, 6, 6]  # the decodes and the chunk, once for each window
