@@ -83,7 +83,7 @@ def check_nothing_left(llm: LLM) -> None:
     """No request, block, in-flight step, unconfirmed hash, runner row or prompt record is left."""
     engine = llm.engine
     check_all_free(engine.scheduler)
-    assert not engine.scheduler.finished_req_ids and not engine.scheduler.max_chunk_tokens
+    assert not engine.scheduler.finished_req_ids
     assert not engine.scheduler.kv_cache_manager.unconfirmed
     assert not engine.in_flight and not engine.prompts
     runner = engine.executor.worker.model_runner

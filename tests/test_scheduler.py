@@ -274,7 +274,7 @@ def test_mixed_model_steps_shrink_for_the_window_group_only():
     scheduler = make_scheduler(num_blocks=1 + 25 + 7, max_num_batched_tokens=128, specs=(FULL, sliding(8)))
     request = make_request(60, max_tokens=40)
     scheduler.add_request(request)  # 25 blocks for the full layers, 7 for the window in steps of 17
-    assert scheduler.max_chunk_tokens[request.request_id] == 17
+    assert request.max_chunk_tokens == 17
     run_to_completion(scheduler, check=lambda s, plan: check_invariants(s))
     assert request.num_output_tokens == 40
     check_all_free(scheduler)

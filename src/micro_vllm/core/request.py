@@ -52,6 +52,7 @@ class Request:
         self.num_output_placeholders = 0  # sampled in a step still in flight
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
+        self.max_chunk_tokens = 0  # the most tokens one step may compute: set on admission (check_fits)
         self.block_hashes: list[bytes] = []  # one per full block, filled by the KV cache manager
 
     @property

@@ -30,7 +30,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.finished_req_ids: set[str] = set()  # since the last plan; the runner drops them
-        self.max_chunk_tokens: dict[str, int] = {}  # per request: the largest step its blocks fit in
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -54,7 +53,7 @@ class Scheduler:
         return max_chunk
 
     def add_request(self, request: Request) -> None:
-        self.max_chunk_tokens[request.request_id] = self.check_fits(request)
+        request.max_chunk_tokens = self.check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -81,7 +80,6 @@ class Scheduler:
         for request in aborted:
             request.status = RequestStatus.FINISHED_ABORTED
         self.requests.clear()
-        self.max_chunk_tokens.clear()
         self.waiting.clear()
         self.running.clear()
         self.finished_req_ids.clear()  # the runner forgets every request too
@@ -128,7 +126,7 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                          step.budget, self.max_chunk_tokens[request.request_id])
+                          step.budget, request.max_chunk_tokens)
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -154,7 +152,7 @@ class Scheduler:
             num_new = request.num_tokens - num_computed
             if num_new > step.budget and not self.config.enable_chunked_prefill:
                 return
-            num_new = min(num_new, step.budget, self.max_chunk_tokens[request.request_id])
+            num_new = min(num_new, step.budget, request.max_chunk_tokens)
             if kv.allocate_slots(request, num_new, num_computed, computed_blocks) is None:
                 return
             self.waiting.popleft()
@@ -233,7 +231,6 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        del self.max_chunk_tokens[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
 
