@@ -39,6 +39,12 @@ def make_kv_cache_groups(layer_specs: list[AttentionSpec]) -> list[KVCacheGroup]
     return [KVCacheGroup(spec, tuple(indices)) for spec, indices in layers.items()]
 
 
+def max_blocks_per_request(groups: list[KVCacheGroup], num_tokens: int, max_chunk_tokens: int, block_size: int) -> int:
+    """The most blocks one request of ``num_tokens`` holds at once over all groups, in steps of at
+    most ``max_chunk_tokens``: what admission checks and what the cache is sized by."""
+    return sum(g.spec.max_blocks_per_request(num_tokens, max_chunk_tokens, block_size) for g in groups)
+
+
 class KVCacheManager:
     def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int, enable_caching: bool) -> None:
         self.groups = groups
@@ -64,7 +70,7 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        return sum(m.max_blocks_needed(num_tokens, max_chunk_tokens) for m in self.managers)
+        return max_blocks_per_request(self.groups, num_tokens, max_chunk_tokens, self.block_size)
 
     def max_chunk_that_fits(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """The largest step, at most ``max_chunk_tokens``, with which one request of ``num_tokens``

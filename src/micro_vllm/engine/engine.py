@@ -22,13 +22,13 @@ from typing import Any, Union
 import numpy as np
 
 from micro_vllm.config import LLMConfig
-from micro_vllm.core.kv_cache_manager import KVCacheManager, make_kv_cache_groups
+from micro_vllm.core.kv_cache_manager import KVCacheManager, make_kv_cache_groups, max_blocks_per_request
 from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.core.scheduler import Scheduler
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.engine.output import RequestOutput
-from micro_vllm.layers.rotary import max_rope_position
 from micro_vllm.executor.single_process import SingleProcessExecutor
+from micro_vllm.layers.rotary import max_rope_position
 from micro_vllm.model_loader.default import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput
@@ -64,13 +64,9 @@ class Engine:
 
         self.executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
         groups = make_kv_cache_groups(self.executor.get_attention_specs())
-        max_blocks_per_request = sum(
-            g.spec.max_blocks_per_request(
-                self.max_model_len, config.scheduler_config.max_num_batched_tokens, config.cache_config.block_size
-            )
-            for g in groups
-        )
-        self.num_blocks = self.executor.determine_num_blocks(max_blocks_per_request)
+        self.num_blocks = self.executor.determine_num_blocks(max_blocks_per_request(
+            groups, self.max_model_len, config.scheduler_config.max_num_batched_tokens, config.cache_config.block_size
+        ))
         self.executor.initialize_kv_cache(groups, self.num_blocks)
         cache_config = config.cache_config
         kv_cache_manager = KVCacheManager(

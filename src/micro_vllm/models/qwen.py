@@ -32,4 +32,4 @@ class Qwen3ForCausalLM(Qwen2ForCausalLM):
     @classmethod
     def attention_biases(cls, hf_config: PretrainedConfig) -> tuple[bool, bool]:
         # Qwen3 went back to Llama's switch: `attention_bias` on all four projections or none.
-        return super(Qwen2ForCausalLM, cls).attention_biases(hf_config)
+        return LlamaForCausalLM.attention_biases(hf_config)
