@@ -30,7 +30,7 @@ from micro_vllm.engine.output import RequestOutput
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
-from micro_vllm.model_loader.default import load_hf_config, resolve_model_path
+from micro_vllm.model_loader.checkpoint import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.sampling.params import SamplingParams
