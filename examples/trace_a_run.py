@@ -34,8 +34,9 @@ def main() -> None:
         for country in CITIES
     ]
     # trace= takes a path (or TraceConfig(path, level="block") for every KV block event too).
-    # max_num_batched_tokens=64 caps the tokens one step computes: a prompt longer than that is
-    # prefilled in chunks over several steps, beside the decodes of requests already running.
+    # max_num_batched_tokens=64 caps the tokens one step computes: a prompt that does not fit in
+    # what is left of a step is prefilled in chunks, beside the decodes of requests already running;
+    # max_num_seqs=4 lets four requests run at once while the others wait.
     with LLM(model=args.model or str(default_model_path()), max_model_len=1024, max_num_batched_tokens=64,
              max_num_seqs=4, trace=args.trace) as llm:
         outputs = llm.chat(conversations, SamplingParams(max_tokens=args.max_tokens, temperature=0))
