@@ -1,7 +1,7 @@
 """What the Engine asks of the device side: the Executor interface that every executor implements.
 
-The Engine holds one ``Executor`` and calls only these methods, so how the workers run (here in the
-same process; later in others, one per GPU) is hidden from the scheduler and the request lifecycle.
+The Engine holds one ``Executor`` and calls only these methods, so where the workers run (in the
+Engine's process, or in processes of their own) is hidden from the scheduler and the request lifecycle.
 The Engine calls them in this order: ``get_attention_specs``, ``determine_num_blocks`` and
 ``initialize_kv_cache`` once at start-up; then ``execute_model`` once per step, ``reset_batch``
 after a failed step, and ``shutdown`` last.
@@ -35,8 +35,8 @@ class Executor(ABC):
     @abstractmethod
     def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         """Allocate the paged KV cache (``num_blocks`` blocks for every attention layer, laid out by
-        ``groups``) and whatever the steps need, so that the first ``execute_model`` runs at once.
-        Called once, before any step."""
+        ``groups``) and whatever the steps need (on CUDA also the warm-up and the CUDA graphs), so
+        that no step pays for set-up. Called once, before any step."""
 
     @abstractmethod
     def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
