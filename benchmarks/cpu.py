@@ -108,7 +108,7 @@ def main() -> None:
 def compare(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from micro_vllm.model_loader.default_model import default_model_path
+    from micro_vllm.model_loader.default_model_download import default_model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from micro_vllm.model_loader.default_model import DEFAULT_MODEL, DefaultModelUnavailable, default_model_path
+from micro_vllm.model_loader.default_model_download import DEFAULT_MODEL, DefaultModelUnavailable, default_model_path
 
 pytestmark = pytest.mark.real_model
 

@@ -33,7 +33,7 @@ from micro_vllm.layers import activation, norm, rotary, triton_ops  # noqa: E402
 from micro_vllm.layers.activation import SiluAndMul  # noqa: E402
 from micro_vllm.layers.norm import RMSNorm  # noqa: E402
 from micro_vllm.layers.rotary import RotaryEmbedding  # noqa: E402
-from micro_vllm.model_loader.default import load_hf_config, load_model  # noqa: E402
+from micro_vllm.model_loader.checkpoint import load_hf_config, load_model  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LLAMA3_ROPE = dict(

@@ -25,7 +25,7 @@ from micro_vllm.layers.rotary import (
     inverse_frequencies,
     rope_parameters,
 )
-from micro_vllm.model_loader.default import load_hf_config, load_model, resolve_model_path
+from micro_vllm.model_loader.checkpoint import load_hf_config, load_model, resolve_model_path
 from micro_vllm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from micro_vllm.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 

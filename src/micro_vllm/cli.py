@@ -37,7 +37,7 @@ def _add_generate(subparsers) -> None:
 
 def _generate(args) -> int:
     from micro_vllm.llm import LLM
-    from micro_vllm.model_loader.default_model import default_model_path
+    from micro_vllm.model_loader.default_model_download import default_model_path
     from micro_vllm.sampling.params import SamplingParams
     from micro_vllm.trace import TraceConfig
 

@@ -27,9 +27,10 @@ from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.core.scheduler import Scheduler
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.engine.output import RequestOutput
+from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
-from micro_vllm.model_loader.default import load_hf_config, resolve_model_path
+from micro_vllm.model_loader.checkpoint import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.sampling.params import SamplingParams
@@ -62,7 +63,7 @@ class Engine:
         self.tokenizer = load_tokenizer(path, model_config.tokenizer)
         self.eos_token_ids = _eos_token_ids(path, hf_config, self.tokenizer)
 
-        self.executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
+        self.executor: Executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
         groups = make_kv_cache_groups(self.executor.get_attention_specs())
         self.num_blocks = self.executor.determine_num_blocks(max_blocks_per_request(
             groups, self.max_model_len, config.scheduler_config.max_num_batched_tokens, config.cache_config.block_size

@@ -1,8 +1,4 @@
-"""How plans reach the device: here, a direct call into one Worker in this process.
-
-The Engine talks only to this interface, so a multi-process or multi-GPU executor can replace it
-without touching the scheduler or the runner.
-"""
+"""The Executor of one device: each call goes straight to one Worker in this process."""
 
 from __future__ import annotations
 
@@ -10,11 +6,12 @@ from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
+from micro_vllm.executor.abstract import Executor
 from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.worker.worker import Worker
 
 
-class SingleProcessExecutor:
+class SingleProcessExecutor(Executor):
     def __init__(self, config: LLMConfig, model_path, hf_config, max_model_len: int) -> None:
         self.worker = Worker(config, model_path, hf_config, max_model_len)
 
@@ -31,7 +28,6 @@ class SingleProcessExecutor:
         return self.worker.execute_model(plan)
 
     def reset_batch(self) -> None:
-        """Make the worker forget every request (after a failed step)."""
         self.worker.reset_batch()
 
     def shutdown(self) -> None:

@@ -20,7 +20,7 @@ from micro_vllm.attention.attention import AttentionMetadata
 from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
-from micro_vllm.model_loader.default import load_model
+from micro_vllm.model_loader.checkpoint import load_model
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from micro_vllm.fused import fused_sampler
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
