@@ -15,7 +15,9 @@ def results_table(lines: list[str]) -> str:
     for line in lines:
         record = json.loads(line)
         if record["benchmark"] == "throughput":
-            flags = [f"--{k.replace('_', '-')}" for k in ("enforce_eager", "no_fused_ops", "no_fused_sampler") if record.get(k)]
+            flags = ["--enforce-eager"] if record.get("enforce_eager") else []
+            if record.get("custom_ops"):
+                flags.append(f"--custom-ops={','.join(record['custom_ops'])}")
             for run in record["runs"]:
                 rows.append(f"| throughput | {' '.join(flags) or 'defaults'} | {run['tok_per_s']:,} output tok/s "
                             f"({run['output_tokens']:,} tokens in {run['seconds']} s, {run['steps']:,} steps) |")

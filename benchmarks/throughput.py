@@ -159,17 +159,6 @@ def gpu_busy(events) -> str:
     return f"GPU busy: {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({100 * busy / span:.1f}%)"
 
 
-def disable_fused(layers: bool, sampler: bool) -> None:
-    """Make the layers and/or the sampler take their PyTorch path on CUDA too: the 'before' of the
-    Triton kernels that replace it, measured in the same run as the 'after'."""
-    from micro_vllm import fused
-
-    if layers:
-        fused.triton_ops = None
-    if sampler:
-        fused.triton_sampler = None
-
-
 def run_transformers(model_dir, prompts, max_new_tokens: int, temperature: float) -> tuple[int, float]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -207,19 +196,20 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of the whole recipe")
     parser.add_argument("--compare-hf", type=int, default=0, metavar="N", help="also run transformers on N requests")
     parser.add_argument("--hf-max-tokens", type=int, default=128, help="output tokens per request in the comparison")
-    parser.add_argument("--no-fused-ops", action="store_true", help="run the layers' PyTorch path (for before/after)")
-    parser.add_argument("--no-fused-sampler", action="store_true", help="run the PyTorch sampler (for before/after)")
+    parser.add_argument("--custom-ops", type=lambda text: text.split(","), default=None, metavar="LIST",
+                        help="ModelConfig.custom_ops, comma-separated (for before/after): --custom-ops=none,+sampler "
+                             "runs the layers' PyTorch code, --custom-ops=-sampler the PyTorch sampler")
     parser.add_argument("--profile", action="store_true", help="print kernel profiles of two prefill steps and of decode steps")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     args = parser.parse_args()
 
-    disable_fused(args.no_fused_ops, args.no_fused_sampler)
     model_dir = args.model or str(build_random_model())
     prompts, max_tokens = recipe_requests(args.num_requests)
     engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                          attention_backend=args.attention_backend).items() if v is not None}
     start = time.perf_counter()
-    llm = LLM(model=model_dir, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, **engine_args)
+    llm = LLM(model=model_dir, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+              custom_ops=args.custom_ops, **engine_args)
     startup = time.perf_counter() - start
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
 

@@ -31,8 +31,8 @@ for stage in $stages; do
     throughput) run throughput throughput.py --compare-hf 16 --profile ;;
     latency) run latency latency.py ;;
     eager) run eager throughput.py --enforce-eager ;;
-    unfused) run unfused throughput.py --no-fused-ops ;;
-    unfused-sampler) run unfused_sampler throughput.py --no-fused-sampler ;;
+    unfused) run unfused throughput.py --custom-ops=none,+sampler ;;
+    unfused-sampler) run unfused_sampler throughput.py --custom-ops=-sampler ;;
     sweep) run sweep attention_sweep.py ;;
     gemm) run gemm gemm_shapes.py ;;
     *) echo "unknown stage $stage"; status=1 ;;

@@ -97,7 +97,6 @@ def resource_usage(binary) -> str:
 def catch_launches() -> None:
     """``kernel[grid](...)`` compiles for the H200 instead of running."""
     JITFunction.__getitem__ = lambda kernel, grid: (lambda *args, **kwargs: compile_launch(kernel, args, kwargs))
-    triton_attn._check_device = lambda tensor: None  # CPU tensors stand in for CUDA ones
 
 
 def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_splits: int,
@@ -140,9 +139,9 @@ def layer_launches(dtype: torch.dtype, hidden: int = 1024, heads: int = 16, kv_h
     k = qkv[:, heads * head_size : (heads + kv_heads) * head_size]
     cos_sin = torch.zeros(4096, head_size, dtype=torch.float32)
     positions = torch.zeros(num_tokens, dtype=torch.int64)
-    triton_ops.rotary_embedding(positions, q, k, cos_sin, head_size)
     head_norm = (torch.ones(head_size, dtype=dtype), 1e-6)
-    triton_ops.rotary_embedding(positions, q, k, cos_sin, head_size, (head_norm, head_norm))  # Qwen3's q/k norm
+    triton_ops.qk_norm(q, k, head_norm, head_norm, head_size)  # Qwen3's
+    triton_ops.rotary_embedding(positions, q, k, cos_sin, head_size)
     triton_ops.silu_and_mul(torch.zeros(num_tokens, 2 * intermediate, dtype=dtype))
 
 

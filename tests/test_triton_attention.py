@@ -23,6 +23,7 @@ from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
 from micro_vllm.attention.operators import triton_attn  # noqa: E402
 from micro_vllm.attention.operators.reference import write_kv_to_cache  # noqa: E402
 from micro_vllm.attention.operators.registry import get_backend  # noqa: E402
+from micro_vllm.worker.worker import resolve_attention_backend  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -367,12 +368,12 @@ def test_write_kv_matches_reference(rng: random.Random, dtype: torch.dtype) -> N
     assert torch.equal(cache, expected)
 
 
-@pytest.mark.skipif(ON_GPU, reason="checks the CPU error message")
-def test_cpu_without_interpreter_raises(monkeypatch) -> None:
-    monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        key, slots = torch.zeros(1, 1, 16), torch.zeros(1, dtype=torch.int64)
-        get_backend("triton").write_kv(key, key, torch.zeros(2, 1, 16, 1, 16), slots)
+def test_triton_backend_on_cpu_without_the_interpreter_is_refused_at_start_up(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"attention_backend='triton' .*TRITON_INTERPRET=1"):
+        resolve_attention_backend("triton", torch.device("cpu"), 64)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_attention_backend("triton", torch.device("cpu"), 64) == "triton"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
+from micro_vllm.config import CUSTOM_OPS
 from micro_vllm.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX
 from tiny_models import VOCAB_SIZE, make_tiny_model
 
@@ -41,6 +42,8 @@ BAD_CONFIG_VALUES = {
     (ModelConfig, "attention_backend"): [5, ""],
     (ModelConfig, "seed"): [-1, 2**63, True, 1.5],
     (ModelConfig, "enforce_eager"): [1, "no", None],
+    (ModelConfig, "custom_ops"): ["all", 5, ["rms_norm"], ["+flash_attn"], ["+"], [""], [None], ["ALL"],
+                                  ["all", "none"], ["+rms_norm", "-rms_norm"]],
     (SchedulerConfig, "max_model_len"): [0, True, 2**31, 1.5, "64"],
     (SchedulerConfig, "max_num_batched_tokens"): [0, True, 2**31, None],
     (SchedulerConfig, "max_num_seqs"): [0, -1, True, 8.0],
@@ -139,6 +142,19 @@ def test_bad_config_value_is_named(key, value):
     cls, field = key
     with pytest.raises(ValueError, match=named(field, value)):
         cls(**{**REQUIRED.get(cls, {}), field: value})
+
+
+def test_bad_custom_ops_entry_is_named_with_the_allowed_ops():
+    with pytest.raises(ValueError, match=named("custom_ops", ["all", "-rmsnorm"])) as error:
+        ModelConfig(model="m", custom_ops=["all", "-rmsnorm"])
+    assert "(not '-rmsnorm')" in str(error.value)
+    assert all(repr(op) in str(error.value) for op in CUSTOM_OPS)
+
+
+def test_custom_ops_reach_the_model_config_as_a_tuple():
+    config = LLMConfig.from_kwargs("m", custom_ops=["none", "+sampler"])
+    assert config.model_config.custom_ops == ("none", "+sampler")
+    hash(config)  # a list would make the frozen config unhashable
 
 
 def test_good_config_values_are_kept():

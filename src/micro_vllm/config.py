@@ -26,6 +26,9 @@ from micro_vllm.validation import (
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# The ops with a Triton implementation beside their PyTorch one, as ``custom_ops`` names them: the
+# layers' CustomOps (layers/custom_op.py) and the sampler's route.
+CUSTOM_OPS = ("rms_norm", "qk_norm", "rotary_embedding", "silu_and_mul", "sampler")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,10 @@ class ModelConfig:
     attention_backend: str | None = None  # reference | sdpa | triton; None picks per device
     seed: int = 0
     enforce_eager: bool = False  # True turns CUDA graphs off
+    # Which ops of CUSTOM_OPS run their Triton kernel (vLLM's compilation_config.custom_ops). The
+    # default is all of them on CUDA when Triton is installed, none elsewhere; "all" or "none"
+    # replaces it, then "+op" turns an op on and "-op" off. None keeps the default.
+    custom_ops: list[str] | None = None
 
     def __post_init__(self) -> None:
         check_str("model", self.model, "a model directory or a hub id (a non-empty string)")
@@ -54,6 +61,26 @@ class ModelConfig:
             check_str("attention_backend", self.attention_backend, "None or a backend name")
         check_field(self, "seed", check_int, 0, INT64_MAX)
         check_field(self, "enforce_eager", check_bool)
+        check_field(self, "custom_ops", _check_custom_ops)
+
+
+def _check_custom_ops(name: str, value: Any) -> tuple[str, ...] | None:
+    """``value`` as a tuple (the config stays hashable), each entry one vLLM accepts: "all", "none",
+    "+op" or "-op" for an op of CUSTOM_OPS, and no op (nor "all"/"none") both on and off."""
+    if value is None:
+        return None
+    allowed = f"None or a list of 'all', 'none', '+op' and '-op' entries, op one of {list(CUSTOM_OPS)}"
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise reject(name, value, allowed)
+    for entry in value:
+        if not isinstance(entry, str) or (entry not in ("all", "none") and not (
+            entry[:1] in ("+", "-") and entry[1:] in CUSTOM_OPS
+        )):
+            raise reject(name, value, f"{allowed} (not {entry!r})")
+    for on, off in [("all", "none"), *((f"+{op}", f"-{op}") for op in CUSTOM_OPS)]:
+        if on in value and off in value:
+            raise reject(name, value, f"{allowed}, without both {on!r} and {off!r}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

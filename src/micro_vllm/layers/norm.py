@@ -1,7 +1,8 @@
-"""RMSNorm, with the residual add fused in the way decoder layers use it.
+"""RMSNorm, with the residual add fused in the way decoder layers use it, and Qwen3's per-head
+RMSNorm of queries and keys.
 
-CUDA tensors take one Triton launch (``triton_ops.rms_norm``); the PyTorch code below is its slow
-twin, run everywhere else and tested against it.
+Both are CustomOps: ``forward_triton`` is one Triton launch (``triton_ops.rms_norm``,
+``triton_ops.qk_norm``), ``forward_native`` the PyTorch code it is tested against.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from typing import overload
 import torch
 from torch import nn
 
-from micro_vllm.fused import fused_ops
+from micro_vllm.layers.custom_op import CustomOp, triton_ops
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """Root-mean-square norm over the last dimension.
 
     ``forward(x)`` returns the normalized ``x``. ``forward(x, residual)`` first adds ``residual`` to
@@ -22,26 +23,31 @@ class RMSNorm(nn.Module):
     keeps a separate add.
     """
 
+    name = "rms_norm"
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    def forward_native(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
 
     @overload
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if (ops := fused_ops(x)) is not None:
-            return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._normalize(x)
         x = x + residual
         return self._normalize(x), x
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return triton_ops.rms_norm(x, self.weight, self.eps, residual)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 even for bf16 inputs; the weight multiplies after the cast back, as in
@@ -53,3 +59,32 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class QKNorm(CustomOp):
+    """RMSNorm of each query head and each key head of flat q [T, H * D] and k [T, Hkv * D] (Qwen3,
+    before RoPE), returning new tensors of the same shapes.
+
+    The weights belong to the attention layer's ``q_norm`` and ``k_norm`` (the checkpoint's names for
+    them); this op keeps those two modules in a tuple, which registers neither a second time.
+    """
+
+    name = "qk_norm"
+
+    def __init__(self, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+        super().__init__()
+        self.norms = (q_norm, k_norm)
+        self.head_size = q_norm.weight.shape[0]
+
+    def forward_native(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(
+            norm.forward_native(x.unflatten(-1, (-1, self.head_size))).flatten(-2)
+            for norm, x in zip(self.norms, (query, key))
+        )
+
+    def forward_triton(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_norm, k_norm = ((norm.weight, norm.eps) for norm in self.norms)
+        return triton_ops.qk_norm(query, key, q_norm, k_norm, self.head_size)
+
+    def extra_repr(self) -> str:
+        return f"head_size={self.head_size}"

@@ -2,8 +2,9 @@
 
 Supports the original RoPE and the frequency scalings ``linear``, ``dynamic`` (dynamic NTK), ``yarn``
 and ``llama3``, each as transformers computes it. Settings are read from ``config.rope_parameters``
-(transformers 5) or ``rope_theta`` / ``rope_scaling`` (older configs). CUDA tensors are rotated by
-one Triton launch for q and k (``triton_ops.rotary_embedding``); the PyTorch code is its slow twin.
+(transformers 5) or ``rope_theta`` / ``rope_scaling`` (older configs). ``RotaryEmbedding`` is a
+CustomOp: ``forward_triton`` rotates q and k in one Triton launch (``triton_ops.rotary_embedding``),
+``forward_native`` is the PyTorch code it is tested against.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from micro_vllm.fused import fused_ops
-from micro_vllm.layers.norm import RMSNorm
+from micro_vllm.layers.custom_op import CustomOp, triton_ops
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -156,12 +155,14 @@ _SCALINGS: dict[str, Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]] = {
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = tuple(_SCALINGS)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Rotates each head of flat q [T, H * D] and k [T, Hkv * D] by its token's position.
 
     Channel ``i`` pairs with channel ``i + D/2`` (the "rotate half" layout of HF Llama checkpoints).
     One instance is shared by all layers of a model.
     """
+
+    name = "rotary_embedding"
 
     def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -176,25 +177,18 @@ class RotaryEmbedding(nn.Module):
     def from_hf_config(cls, hf_config: Any, head_size: int) -> RotaryEmbedding:
         return cls(head_size, max_rope_position(hf_config), rope_parameters(hf_config))
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated copies of ``query`` and ``key``; with ``q_norm`` and ``k_norm`` (Qwen3), each head
-        is RMS-normalized first, in the same launch on CUDA."""
-        if (ops := fused_ops(query)) is not None:
-            norms = None if q_norm is None else ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
-            return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size, norms)
-        if q_norm is not None:
-            query = q_norm(query.unflatten(-1, (-1, self.head_size))).flatten(-2)
-            key = k_norm(key.unflatten(-1, (-1, self.head_size))).flatten(-2)
+        """Rotated copies of ``query`` and ``key``."""
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def forward_triton(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         heads = x.unflatten(-1, (-1, self.head_size))

@@ -1,24 +1,24 @@
 """Fused Triton kernels for a decoder layer's elementwise work: RMSNorm (with the residual add),
-rotary embedding (with Qwen3's per-head q/k RMSNorm before it), and SiLU-and-mul, one launch each.
+Qwen3's per-head q/k RMSNorm, rotary embedding and SiLU-and-mul, one launch each.
 
-Why: in a 256-request decode step on an H200 the unfused PyTorch layers launch about 45 tiny
-elementwise and reduction kernels per decoder layer (more than 1,300 per step, about 30% of the
-step's GPU time in session 1's profile; docs/benchmarks.md, "How it got here"). Each op here
-replaces 2 (SiLU-and-mul) to 16 (rotary embedding) of them: counting the ops each path calls, a
-Qwen3 layer goes from 52 such launches to 6 and a Llama layer from 36 to 4. What that saves in time
-is measured on the GPU (``benchmarks/throughput.py --no-fused-ops`` against the default; the figures
-are in docs/benchmarks.md), not claimed here.
+Why: unfused, each of these ops is several tiny elementwise and reduction kernels per decoder layer
+(2 for SiLU-and-mul, up to 16 for rotary embedding), and in a large decode batch those launches take
+a large share of the step's GPU time. What the kernels save is measured on the GPU
+(``benchmarks/throughput.py --custom-ops=none,+sampler`` against the default; the figures are in
+docs/benchmarks.md), not claimed here.
 
-Each kernel is a twin of the PyTorch code in ``norm.py``, ``rotary.py`` and ``activation.py``, not
-an approximation of it: PyTorch computes every bf16/fp16 elementwise op in fp32 and rounds the
-result to the tensor's dtype, so the kernels compute in fp32 and round (``_round``) at exactly the
-points where the PyTorch code ends an op. Launches pass ``enable_fp_fusion=False`` so a product is
-rounded before it is added, as it is between two PyTorch kernels. What can still differ is the
-order of the fp32 sum in RMSNorm's variance, which may move an output by an ulp.
+Each kernel is a twin of a CustomOp's ``forward_native`` in ``norm.py``, ``rotary.py`` and
+``activation.py``, not an approximation of it: PyTorch computes every bf16/fp16 elementwise op in
+fp32 and rounds the result to the tensor's dtype, so the kernels compute in fp32 and round
+(``_round``) at exactly the points where the PyTorch code ends an op. Launches pass
+``enable_fp_fusion=False`` so a product is rounded before it is added, as it is between two PyTorch
+kernels. What can still differ is the order of the fp32 sum in RMSNorm's variance, which may move
+an output by an ulp.
 
-The layers call these ops for CUDA tensors; the tests call them on CPU tensors under Triton's
-interpreter (``TRITON_INTERPRET=1``). CUDA-graph safe: grids and block shapes depend on tensor shapes
-only, outputs are allocated by shape, and nothing on the host reads device data.
+The layers call these ops when ``ModelConfig.custom_ops`` enables them (by default on CUDA); the
+tests call them on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``). CUDA-graph safe:
+grids and block shapes depend on tensor shapes only, outputs are allocated by shape, and nothing on
+the host reads device data.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-
-from micro_vllm.triton_interpreter import interpreted
 
 
 @triton.jit
@@ -40,12 +38,6 @@ def _round(x, DTYPE: tl.constexpr):
     """
     if DTYPE == tl.float32:
         y = x
-    elif _INTERPRETED and DTYPE == tl.bfloat16:
-        # Triton 3.6's interpreter truncates fp32 -> bf16 (and its "rtne" mode rounds ties away from
-        # zero): round on the bits. Overflows to inf as it should; NaN is not expected here.
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        y = bits.to(tl.float32, bitcast=True)
     else:
         y = x.to(DTYPE).to(tl.float32)
     return y
@@ -62,16 +54,15 @@ def _inv_rms(sum_sq, eps, N: tl.constexpr, MEAN_BY_DIVISION: tl.constexpr):
 
 
 @triton.jit
-def _exp(x):
-    if _INTERPRETED:
-        y = tl.exp(x)  # libdevice is device code, which the interpreter cannot call
-    else:
-        y = libdevice.exp(x)  # expf, as PyTorch's CUDA kernels use; tl.exp is a faster approximation
-    return y
-
-
-# Read by the jitted helpers above when they are compiled or interpreted, so defined after them.
-_INTERPRETED = tl.constexpr(interpreted(_round))
+def _rms_norm_rows(x, weight_ptr, cols, eps, N: tl.constexpr, DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                   MEAN_BY_DIVISION: tl.constexpr):
+    """RMSNorm of each row of fp32 ``x`` [rows, BLOCK] (zeros from column ``N`` on) times the weight
+    at ``weight_ptr + cols`` (``cols``: [BLOCK]), rounded as ``RMSNorm.forward_native`` rounds: to the
+    input's ``DTYPE`` after the normalization, to ``OUT_DTYPE`` after the weight."""
+    inv_rms = _inv_rms(tl.sum(x * x, axis=1), eps, N, MEAN_BY_DIVISION)
+    normalized = _round(x * inv_rms[:, None], DTYPE)
+    weight = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    return _round(normalized * weight[None, :], OUT_DTYPE)
 
 
 # --- RMSNorm ----------------------------------------------------------------------------------------
@@ -111,19 +102,12 @@ def _rms_norm_kernel(
         x = _round(x + residual.to(tl.float32), dtype)
         tl.store(residual_out_ptr + out_offset, x.to(dtype), mask=mask)
 
-    inv_rms = _inv_rms(tl.sum(x * x, axis=1), eps, N, MEAN_BY_DIVISION)
-    normalized = _round(x * inv_rms[:, None], dtype)
-    weight = tl.load(weight_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)
-    out = _round(normalized * weight[None, :], out_ptr.dtype.element_ty)
+    out = _rms_norm_rows(x, weight_ptr, cols, eps, N, dtype, out_ptr.dtype.element_ty, MEAN_BY_DIVISION)
     tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as [A, B, N] with unit stride along N, without copying 2-D and 3-D inputs.
-
-    3-D covers per-head q/k norm on strided views of the fused qkv output ([tokens, heads, head_size]
-    with a token stride wider than heads * head_size).
-    """
+    """``x`` as [A, B, N] with unit stride along N, without copying 2-D and 3-D inputs."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if x.dim() == 3:
@@ -175,6 +159,123 @@ def rms_norm(
     return out if residual is None else (out, residual_out)
 
 
+# --- q/k norm --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_heads(
+    src_row,
+    dst_row,
+    weight_ptr,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MEAN_BY_DIVISION: tl.constexpr,
+):
+    """RMSNorm each head of one token, all heads sharing ``weight_ptr``."""
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads < NUM_HEADS) & (dims[None, :] < HEAD_SIZE)
+    offset = heads * HEAD_SIZE + dims[None, :]
+    dtype = dst_row.dtype.element_ty
+    x = tl.load(src_row + offset, mask=mask, other=0.0).to(tl.float32)
+    out = _rms_norm_rows(x, weight_ptr, dims, eps, HEAD_SIZE, dtype, dtype, MEAN_BY_DIVISION)
+    tl.store(dst_row + offset, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_kernel(
+    query_out_ptr,  # [T, NUM_Q_HEADS * HEAD_SIZE] contiguous
+    key_out_ptr,  # [T, NUM_K_HEADS * HEAD_SIZE] contiguous
+    query_ptr,
+    key_ptr,
+    q_weight_ptr,  # [HEAD_SIZE]
+    k_weight_ptr,
+    q_eps,
+    k_eps,
+    query_stride,
+    key_stride,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MEAN_BY_DIVISION: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    _norm_heads(
+        query_ptr + token * query_stride,
+        query_out_ptr + token * (NUM_Q_HEADS * HEAD_SIZE),
+        q_weight_ptr, q_eps, NUM_Q_HEADS, Q_HEADS_PAD, HEAD_SIZE, BLOCK_D, MEAN_BY_DIVISION,
+    )
+    _norm_heads(
+        key_ptr + token * key_stride,
+        key_out_ptr + token * (NUM_K_HEADS * HEAD_SIZE),
+        k_weight_ptr, k_eps, NUM_K_HEADS, K_HEADS_PAD, HEAD_SIZE, BLOCK_D, MEAN_BY_DIVISION,
+    )
+
+
+def _heads_in_out(query: torch.Tensor, key: torch.Tensor, head_size: int):
+    """For the kernels that run one program per token over all its query and key heads: ``query``
+    and ``key`` with unit stride along their channels, new contiguous outputs of their shapes, and
+    the kernels' head-count constexprs."""
+    if query.dtype != key.dtype:
+        raise ValueError(f"query and key must share a dtype, got {query.dtype} and {key.dtype}")
+    query, key = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key))
+    num_q_heads, num_k_heads = query.shape[1] // head_size, key.shape[1] // head_size
+    heads = dict(
+        NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=num_k_heads,
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
+        K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
+        HEAD_SIZE=head_size,
+    )
+    outs = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (query, key))
+    return query, key, outs, heads
+
+
+def qk_norm(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_norm: tuple[torch.Tensor, float],
+    k_norm: tuple[torch.Tensor, float],
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm each head of flat ``query`` [T, H * D] and ``key`` [T, Hkv * D], the query's heads with
+    ``q_norm`` (weight [D], eps) and the key's with ``k_norm``, as ``QKNorm.forward`` does.
+
+    The inputs may be column slices of one fused qkv tensor (any row stride); the outputs are new
+    contiguous tensors, the inputs untouched.
+    """
+    if any(weight.dtype != query.dtype for weight, _ in (q_norm, k_norm)):
+        raise ValueError(f"the q/k norm weights must have the query's dtype {query.dtype}")
+    query, key, (query_out, key_out), heads = _heads_in_out(query, key, head_size)
+    (q_weight, q_eps), (k_weight, k_eps) = q_norm, k_norm
+    if query.shape[0] > 0:
+        block_d = triton.next_power_of_2(head_size)
+        _qk_norm_kernel[(query.shape[0],)](
+            query_out,
+            key_out,
+            query,
+            key,
+            q_weight,
+            k_weight,
+            q_eps,
+            k_eps,
+            query.stride(0),
+            key.stride(0),
+            **heads,
+            BLOCK_D=block_d,
+            MEAN_BY_DIVISION=query.device.type == "cpu",
+            num_warps=_num_warps(heads["Q_HEADS_PAD"] * block_d),
+            enable_fp_fusion=False,
+        )
+    return query_out, key_out
+
+
 # --- rotary embedding -------------------------------------------------------------------------------
 
 
@@ -184,17 +285,12 @@ def _rotate_heads(
     dst_row,
     cos,
     sin,
-    norm_weight_ptr,
-    eps,
     NUM_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HALF_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    MEAN_BY_DIVISION: tl.constexpr,
 ):
-    """Rotates all heads of one token: channel i pairs with channel i + HEAD_SIZE / 2. With
-    HAS_NORM, RMSNorm each head first (Qwen3's q/k norm), rounded as ``_rms_norm_kernel`` rounds."""
+    """Rotates all heads of one token: channel i pairs with channel i + HEAD_SIZE / 2."""
     half: tl.constexpr = HEAD_SIZE // 2
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -203,13 +299,6 @@ def _rotate_heads(
     dtype = dst_row.dtype.element_ty
     first = tl.load(src_row + offset, mask=mask, other=0.0).to(tl.float32)
     second = tl.load(src_row + offset + half, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        sum_sq = tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)
-        inv_rms = _inv_rms(sum_sq, eps, HEAD_SIZE, MEAN_BY_DIVISION)[:, None]
-        weight_first = tl.load(norm_weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
-        weight_second = tl.load(norm_weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
-        first = _round(_round(first * inv_rms, dtype) * weight_first, dtype)
-        second = _round(_round(second * inv_rms, dtype) * weight_second, dtype)
     # Each product and each sum is its own rounded op in the PyTorch code.
     new_first = _round(_round(first * cos, dtype) - _round(second * sin, dtype), dtype)
     new_second = _round(_round(second * cos, dtype) + _round(first * sin, dtype), dtype)
@@ -225,10 +314,6 @@ def _rotary_kernel(
     key_ptr,
     positions_ptr,
     cos_sin_ptr,  # [max_position, HEAD_SIZE]: cos in the first half, sin in the second
-    q_norm_weight_ptr,  # [HEAD_SIZE] (only with HAS_NORM)
-    k_norm_weight_ptr,
-    q_eps,
-    k_eps,
     query_stride,
     key_stride,
     cos_sin_stride,
@@ -238,8 +323,6 @@ def _rotary_kernel(
     K_HEADS_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HALF_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    MEAN_BY_DIVISION: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -253,12 +336,12 @@ def _rotary_kernel(
     _rotate_heads(
         query_ptr + token * query_stride,
         query_out_ptr + token * (NUM_Q_HEADS * HEAD_SIZE),
-        cos, sin, q_norm_weight_ptr, q_eps, NUM_Q_HEADS, Q_HEADS_PAD, HEAD_SIZE, HALF_PAD, HAS_NORM, MEAN_BY_DIVISION,
+        cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HEAD_SIZE, HALF_PAD,
     )
     _rotate_heads(
         key_ptr + token * key_stride,
         key_out_ptr + token * (NUM_K_HEADS * HEAD_SIZE),
-        cos, sin, k_norm_weight_ptr, k_eps, NUM_K_HEADS, K_HEADS_PAD, HEAD_SIZE, HALF_PAD, HAS_NORM, MEAN_BY_DIVISION,
+        cos, sin, NUM_K_HEADS, K_HEADS_PAD, HEAD_SIZE, HALF_PAD,
     )
 
 
@@ -268,53 +351,29 @@ def rotary_embedding(
     key: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     head_size: int,
-    norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates flat ``query`` [T, H * D] and ``key`` [T, Hkv * D] by their tokens' positions; with
-    ``norms`` (the query's and the key's RMSNorm weight and eps), RMSNorm each head first.
+    """Rotates flat ``query`` [T, H * D] and ``key`` [T, Hkv * D] by their tokens' positions.
 
     The inputs may be column slices of one fused qkv tensor (any row stride). Out of place, as the
     PyTorch path is, so the two paths have one contract: new contiguous tensors, inputs untouched.
     """
-    if query.dtype != key.dtype:
-        raise ValueError(f"query and key must share a dtype, got {query.dtype} and {key.dtype}")
-    if norms is not None and any(weight.dtype != query.dtype for (weight, _) in norms):
-        raise ValueError(f"the q/k norm weights must have the query's dtype {query.dtype}")
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    if key.stride(-1) != 1:
-        key = key.contiguous()
+    query, key, (query_out, key_out), heads = _heads_in_out(query, key, head_size)
     positions = positions.contiguous()  # a no-op for the runner's positions
-    num_tokens = query.shape[0]
-    num_q_heads, num_k_heads = query.shape[1] // head_size, key.shape[1] // head_size
-    query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    (q_weight, q_eps), (k_weight, k_eps) = norms or ((query, 0.0), (key, 0.0))  # unread without norms
-    if num_tokens > 0:
-        q_heads_pad, half_pad = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(head_size // 2)
-        _rotary_kernel[(num_tokens,)](
+    if query.shape[0] > 0:
+        half_pad = triton.next_power_of_2(head_size // 2)
+        _rotary_kernel[(query.shape[0],)](
             query_out,
             key_out,
             query,
             key,
             positions,
             cos_sin_cache,
-            q_weight,
-            k_weight,
-            q_eps,
-            k_eps,
             query.stride(0),
             key.stride(0),
             cos_sin_cache.stride(0),
-            NUM_Q_HEADS=num_q_heads,
-            NUM_K_HEADS=num_k_heads,
-            Q_HEADS_PAD=q_heads_pad,
-            K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
-            HEAD_SIZE=head_size,
+            **heads,
             HALF_PAD=half_pad,
-            HAS_NORM=norms is not None,
-            MEAN_BY_DIVISION=query.device.type == "cpu",
-            num_warps=_num_warps(q_heads_pad * half_pad),
+            num_warps=_num_warps(heads["Q_HEADS_PAD"] * half_pad),
             enable_fp_fusion=False,
         )
     return query_out, key_out
@@ -335,7 +394,8 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, x_stride, size, BLOCK: tl.constexpr):
     up = tl.load(row + size + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     # F.silu's formula in both of PyTorch's kernels, CPU and CUDA: x / (1 + exp(-x)), IEEE division.
-    silu = _round(tl.math.div_rn(gate, 1.0 + _exp(-gate)), dtype)
+    # libdevice's exp is expf, as PyTorch's CUDA kernels use; tl.exp is a faster approximation.
+    silu = _round(tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)), dtype)
     out = _round(silu * up, dtype)
     tl.store(out_ptr + token * size + cols, out.to(dtype), mask=mask)
 

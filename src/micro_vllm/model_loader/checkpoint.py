@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from micro_vllm.layers.custom_op import set_custom_ops
 from micro_vllm.models.registry import get_model_class
 
 # Enough to build the model and its tokenizer; skips *.bin / *.pt / *.gguf copies of the weights.
@@ -53,13 +54,20 @@ def load_hf_config(path: Path) -> PretrainedConfig:
 
 
 def load_model(
-    path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, attention_backend: str
+    path: Path,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str,
+    custom_ops: frozenset[str] = frozenset(),
 ) -> nn.Module:
-    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``path``."""
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``path``; the
+    layer ops named in ``custom_ops`` (``resolve_custom_ops``) run their Triton kernels."""
     model_class = get_model_class(hf_config)
     files = safetensors_files(Path(path))
     with torch.device(device), _default_dtype(dtype):
         model = model_class(hf_config, attention_backend)
+    set_custom_ops(model, custom_ops)
     checkpoint_names: dict[str, Path] = {}  # each tensor read so far -> its file, in reading order
     try:
         loaded = model.load_weights(_stream(files, checkpoint_names))

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from micro_vllm.attention.attention import Attention, AttentionMetadata
 from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.layers.linear import MergedLinear
-from micro_vllm.layers.norm import RMSNorm
+from micro_vllm.layers.norm import QKNorm, RMSNorm
 from micro_vllm.layers.rotary import RotaryEmbedding
 
 
@@ -63,6 +63,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
+        self.qk_norm = QKNorm(self.q_norm, self.k_norm) if qk_norm else None  # applies the two above
         self.rotary_emb = rotary_emb
         self.attn = Attention(
             num_heads, self.head_size, num_kv_heads, self.head_size**-0.5, attention_backend, sliding_window
@@ -72,7 +73,9 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, metadata))
 
 

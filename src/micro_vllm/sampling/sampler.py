@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from micro_vllm import fused
+try:
+    from micro_vllm.sampling import triton_sampler
+except ImportError:  # Triton is optional: without it no batch carries seeds for the Triton sampler
+    triton_sampler = None
 
 
 @dataclass
@@ -53,7 +56,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         filtered = metadata.top_k is not None or metadata.top_p is not None
         if metadata.seeds is not None and not filtered:
-            return fused.triton_sampler.sample(logits, metadata.temperature, metadata.seeds)
+            return triton_sampler.sample(logits, metadata.temperature, metadata.seeds)
         logits = logits.float()  # the model's dtype; softmax and the noise want fp32
         temperature = metadata.temperature
         # Times the reciprocal, as the Triton sampler scales a row: both routes give it the same scores.
@@ -63,7 +66,7 @@ class Sampler:
         if metadata.seeds is not None:
             # Already scaled: temperature 1 keeps a row's scores, and so its draw, those of the
             # unfiltered path above (a greedy row's argmax survives any filter).
-            return fused.triton_sampler.sample(scaled, (temperature > 0).float(), metadata.seeds)
+            return triton_sampler.sample(scaled, (temperature > 0).float(), metadata.seeds)
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():

@@ -28,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from micro_vllm.triton_interpreter import interpreted, patch_triton_interpreter
-
 # Qwen3's 151,936 tokens make 75 chunks of 2,048: two rows give the H200's 132 SMs 150 programs, and
 # the draw's Gumbel pass over one chunk is 16 tokens per thread (4 warps). Chunks of 4,096 (38 per
 # row) would need four rows to fill the SMs and double that pass.
@@ -146,10 +144,6 @@ def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr
             best, best_index = _keep_best(best, best_index, score, cols)
         token = _first_best(best, best_index, vocab_size)
     tl.store(token_ptr + row, token.to(tl.int64))
-
-
-if interpreted(_chunk_stats_kernel):  # TRITON_INTERPRET=1: tests on CPU
-    patch_triton_interpreter()
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:

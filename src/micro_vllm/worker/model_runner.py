@@ -22,7 +22,6 @@ from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.model_loader.checkpoint import load_model
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from micro_vllm.fused import fused_sampler
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
 from micro_vllm.worker.input_batch import InputBatch
 
@@ -38,6 +37,7 @@ class RunnerSettings:
     device: torch.device
     dtype: torch.dtype
     attention_backend: str
+    custom_ops: frozenset[str]  # the ops that run their Triton kernel (resolve_custom_ops)
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -124,7 +124,7 @@ class ModelRunner:
         # torch's global RNG: the caller's RNG state must not change.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             self.model = load_model(model_path, hf_config, settings.dtype, settings.device,
-                                    settings.attention_backend)
+                                    settings.attention_backend, settings.custom_ops)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(settings.seed))
         self.seed_stream = np.random.default_rng(settings.seed)  # per-row seeds of the Triton sampler
         self.layer_group: list[int] = []  # decoder layer -> its KV cache group
@@ -395,8 +395,8 @@ class ModelRunner:
         return metadata
 
     def _takes_sampler_kernel(self, metadata: SamplingMetadata) -> bool:
-        """CUDA batches that sample draw with the Triton sampler."""
-        return fused_sampler(self.device) is not None and not metadata.all_greedy
+        """Batches that sample draw with the Triton sampler when custom_ops enables it."""
+        return "sampler" in self.settings.custom_ops and not metadata.all_greedy
 
     # -- CUDA graphs ---------------------------------------------------------------------------
 
@@ -504,7 +504,8 @@ class ModelRunner:
         temperature = torch.ones(num_reqs, device=self.device)
         top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=self.device)
         top_p = torch.full((num_reqs,), 0.9, device=self.device)
-        seeds = torch.zeros(num_reqs, dtype=torch.int64, device=self.device) if fused_sampler(self.device) else None
+        takes_kernel = "sampler" in self.settings.custom_ops
+        seeds = torch.zeros(num_reqs, dtype=torch.int64, device=self.device) if takes_kernel else None
         sampler = Sampler(torch.Generator(device=self.device))
         for filters in ((top_k, top_p), (None, None)):
             sampler(logits, SamplingMetadata(temperature, *filters, all_greedy=False, all_random=True, seeds=seeds))

@@ -10,8 +10,10 @@ from micro_vllm.attention.operators.registry import backends_supporting, get_bac
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
+from micro_vllm.layers.custom_op import resolve_custom_ops
 from micro_vllm.models.llama import head_size_of
 from micro_vllm.outputs import AsyncModelRunnerOutput
+from micro_vllm.triton_utils import check_triton_runs_on
 from micro_vllm.worker.model_runner import ModelRunner, RunnerSettings
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,8 @@ def resolve_attention_backend(backend: str | None, device: torch.device, head_si
                 f"attention_backend={backend!r} cannot serve this model's head size {head_size}; "
                 f"choose one of {backends_supporting(head_size)}"
             )
+        if backend == "triton":
+            check_triton_runs_on(device, "attention_backend='triton'")
         return backend
     if device.type == "cuda":
         try:
@@ -75,6 +79,7 @@ class Worker:
             device=device,
             dtype=resolve_dtype(model_config.dtype, device, hf_config),
             attention_backend=backend,
+            custom_ops=resolve_custom_ops(model_config.custom_ops, device),
             max_model_len=max_model_len,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,

@@ -53,7 +53,6 @@ import triton.language as tl
 
 from micro_vllm.attention.attention import AttentionMetadata
 from micro_vllm.attention.operators.registry import AttentionBackend, register_backend
-from micro_vllm.triton_interpreter import interpreted, patch_triton_interpreter
 
 # Flash-decoding mode: at most this many splits per (request, KV head), each of at least this
 # many keys (below that, the merge costs more than the extra parallelism brings).
@@ -391,22 +390,6 @@ def _head_pad(head_size: int) -> int:
     return max(16, triton.next_power_of_2(head_size))
 
 
-def _interpreting() -> bool:
-    return interpreted(_attention_kernel)
-
-
-if _interpreting():
-    patch_triton_interpreter()
-
-
-def _check_device(tensor: torch.Tensor) -> None:
-    if tensor.device.type == "cpu" and not _interpreting():
-        raise RuntimeError(
-            "the triton attention backend got CPU tensors but Triton's interpreter is off: set "
-            "TRITON_INTERPRET=1 in the environment before triton is first imported (or use a GPU)"
-        )
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -471,7 +454,6 @@ class TritonBackend(AttentionBackend):
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        _check_device(key)
         num_tokens = slot_mapping.shape[0]
         if num_tokens == 0:
             return
@@ -525,7 +507,6 @@ class TritonBackend(AttentionBackend):
 
     def _attend(self, query, kv_cache, metadata: AttentionMetadata, scale: float, sliding_window: int | None,
                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        _check_device(query)
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
         if head_size != cache_head_size or not self.supports_head_size(head_size):

@@ -1,0 +1,74 @@
+"""Workarounds for Triton 3.6's CPU interpreter (``TRITON_INTERPRET=1``), which runs the kernels in
+the tests on machines without a GPU. conftest.py applies them before any kernel runs; compiled
+kernels never see them."""
+
+from __future__ import annotations
+
+import numpy as np
+import triton.language as tl
+from triton.language.extra import libdevice
+from triton.runtime import interpreter
+
+
+def patch_triton_interpreter() -> None:
+    """Make the interpreter compute what the compiled kernels compute, where Triton 3.6's does not.
+
+    * It keeps a scalar as a 1-element array and converts it with ``int(array)``, which NumPy 2.4
+      turned into a TypeError (triton-lang/triton#9171): any loop whose trip count comes from device
+      data fails. ``.item()`` accepts any 1-element array.
+    * ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns it stores bf16 in; widen them to fp32.
+    * It casts fp32 to bf16 by truncating the mantissa; the GPU rounds to nearest even, as PyTorch.
+    * ``libdevice`` functions are device code, which it cannot call: ``libdevice.exp`` (the kernels'
+      ``expf``) becomes ``tl.exp``, which the interpreter computes with numpy in fp32.
+
+    Each patch applies once, to the interpreter only, and is harmless once fixed upstream.
+    """
+    _patch_once(interpreter, "_patch_lang_tensor", _index_by_item)
+    _patch_once(interpreter.InterpreterBuilder, "create_dot", _widen_bf16_operands)
+    _patch_once(interpreter.InterpreterBuilder, "cast_impl", _round_fp32_to_bf16)
+    _patch_once(libdevice, "exp", lambda original: lambda x: tl.exp(x))
+
+
+def _patch_once(owner, name: str, make_patch) -> None:
+    original = getattr(owner, name)
+    if not getattr(original, "micro_vllm_patched", False):
+        patched = make_patch(original)
+        patched.micro_vllm_patched = True
+        setattr(owner, name, patched)
+
+
+def _index_by_item(patch_lang_tensor):
+    def patch(tensor, scope) -> None:
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    return patch
+
+
+def _widen_bf16_operands(create_dot):
+    def widen(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            bits = handle.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return handle
+
+    def patch(self, a, b, *args):
+        return create_dot(self, widen(a), widen(b), *args)
+
+    return patch
+
+
+def _round_fp32_to_bf16(cast_impl):
+    def patch(self, src, dst_type):
+        if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
+            return cast_impl(self, src, dst_type)
+        # bf16 is the upper half of an fp32: add just under half of the dropped half's range, plus
+        # the kept lowest bit (ties to even), then drop it. Finite values too large become inf;
+        # NaNs keep their sign and stay quiet NaNs.
+        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        data = np.where(is_nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+        return interpreter.TensorHandle(data, tl.bfloat16)
+
+    return patch
