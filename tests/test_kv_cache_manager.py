@@ -286,5 +286,5 @@ def test_num_blocks_needed_is_bounded_by_the_window():
     kv = make_kv_manager(block_size=4, specs=(FULL, sliding(8)))
     # 1000 tokens, chunks of at most 16: full attention keeps 250 blocks, the window needs
     # ceil((7 + 16) / 4) + 1 = 7, since a chunk's blocks need not start on a block boundary.
-    assert [m.max_blocks_needed(1000, 16) for m in kv.managers] == [250, 7]
+    assert [g.spec.max_blocks_per_request(1000, 16, kv.block_size) for g in kv.groups] == [250, 7]
     assert kv.max_blocks_needed(1000, 16) == 257
