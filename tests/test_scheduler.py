@@ -96,6 +96,14 @@ def test_request_that_can_never_fit_is_refused():
     scheduler.add_request(make_request(10, max_tokens=6))  # 16 tokens = 4 blocks fits
 
 
+def test_prompt_that_leaves_no_room_under_max_model_len_is_refused():
+    scheduler = make_scheduler(max_model_len=16)
+    with pytest.raises(ValueError, match=r"prompt of 16 tokens leaves no room.*max_model_len=16.*at most 15"):
+        scheduler.add_request(make_request(16))
+    assert not scheduler.requests
+    scheduler.add_request(make_request(15))
+
+
 def test_preemption_recomputes_and_finishes_everything():
     # Room for one request of 16 tokens at a time (4 blocks of 4), many requests.
     scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, max_model_len=16)

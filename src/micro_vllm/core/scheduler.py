@@ -34,10 +34,17 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------------------
 
     def check_fits(self, request: Request) -> int:
-        """Refuse a request that could not run even with the whole cache to itself; return the most
-        tokens one step may compute for it. A sliding window holds only the window plus the step,
-        so with chunked prefill a request longer than the cache runs in steps small enough to fit;
-        without it a prompt, or a resumed request, is computed in one step of up to the budget."""
+        """Every check that a request fits this engine: refuse a prompt that leaves no room under
+        ``max_model_len``, or a request that could not run even with the whole cache to itself;
+        return the most tokens one step may compute for it. A sliding window holds only the window
+        plus the step, so with chunked prefill a request longer than the cache runs in steps small
+        enough to fit; without it a prompt, or a resumed request, is computed in one step of up to
+        the budget."""
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate: "
+                f"max_model_len={self.max_model_len} allows prompts of at most {self.max_model_len - 1} tokens"
+            )
         limit = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens

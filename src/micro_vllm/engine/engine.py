@@ -95,11 +95,6 @@ class Engine:
             raise ValueError(
                 f"prompt_token_ids contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
             )
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(token_ids)} tokens leaves no room to generate: max_model_len={self.max_model_len} "
-                f"allows prompts of at most {self.max_model_len - 1} tokens"
-            )
         request = Request(request_id, token_ids, params, self.eos_token_ids)
         self.scheduler.check_fits(request)
         self.prompts[request_id] = text
@@ -273,20 +268,13 @@ def _resolve_max_model_len(config: LLMConfig, hf_config) -> int:
     if requested is None:
         if model_limit is None:
             raise ValueError("max_model_len must be given: the model config has no max_position_embeddings")
-        max_model_len = model_limit
-    elif model_limit is not None and requested > model_limit:
+        config.scheduler_config.verify_max_model_len(model_limit)  # a given one was checked on construction
+        return model_limit
+    if model_limit is not None and requested > model_limit:
         raise ValueError(
             f"max_model_len={requested} is not allowed; this model supports at most {model_limit} tokens"
         )
-    else:
-        max_model_len = requested
-    scheduler_config = config.scheduler_config
-    if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is too small to make progress: "
-            f"without chunked prefill it must be >= max_model_len ({max_model_len})"
-        )
-    return max_model_len
+    return requested
 
 
 def _eos_token_ids(path: Path, hf_config, tokenizer) -> frozenset[int]:
