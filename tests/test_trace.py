@@ -10,7 +10,7 @@ import pytest
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.cli import main
 from micro_vllm.trace import TraceConfig
-from micro_vllm.trace.tools import read_trace, summarize, to_chrome_trace
+from micro_vllm.trace.tools import format_summary, read_trace, summarize, to_chrome_trace
 from tiny_models import make_tiny_model
 
 SHARED = list(range(10, 34))  # three full blocks of 8, shared by every prompt
@@ -235,6 +235,23 @@ def test_summarize_matches_the_events(preempted_trace, capsys):
     assert f"preemptions        {preemptions}\n" in text
     assert f"steps              {len(steps)}\n" in text
     assert "peak KV use        11 / 11 blocks (100.0%)" in text
+    end = read_trace(path)[-1]
+    assert summary.end_kv_blocks_used == 0 and summary.end_unfinished == 0
+    assert summary.end_kv_cached_blocks == end["kv_cached_blocks"] > 0
+    assert f"KV at end          0 / 11 blocks in use, {end['kv_cached_blocks']} cached, 0 requests unfinished\n" in text
+    [without_end] = summarize(read_trace(path)[:-1])  # an engine that was not shut down
+    assert without_end.end_kv_blocks_used is None and "not recorded" in format_summary(without_end)
+
+
+def test_the_end_event_shows_blocks_still_held_at_shutdown(model_dir):
+    sink = ListSink()
+    with _llm(model_dir, sink) as llm:
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        llm.engine.scheduler.kv_cache_manager.block_pool.get_new_blocks(2)  # held by no request, as a leak would be
+    end = sink.events[-1]
+    assert end["event"] == "end" and end["kv_used_blocks"] == 2 and end["num_running"] == end["num_waiting"] == 0
+    [summary] = summarize(sink.events)
+    assert "2 / 39 blocks in use" in format_summary(summary) and "a leak" in format_summary(summary)
 
 
 def test_plot_writes_a_png(preempted_trace, tmp_path):

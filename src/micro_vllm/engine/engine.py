@@ -25,10 +25,10 @@ from micro_vllm.core.kv_cache_manager import KVCacheManager, make_kv_cache_group
 from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.core.scheduler import Scheduler
 from micro_vllm.core.scheduler_output import SchedulerOutput
-from micro_vllm.metrics.stats import SchedulerStats
 from micro_vllm.engine.output import RequestOutput
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
+from micro_vllm.metrics.stats import SchedulerStats
 from micro_vllm.model_loader.default import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput
@@ -129,7 +129,10 @@ class Engine:
         self._finish_rollback()
         self._in_step = True
         try:
-            outputs = self._traced_step(self.tracer) if self.tracer is not None else self._execute(self.scheduler.schedule())
+            if self.tracer is not None:
+                outputs = self._traced_step(self.tracer)
+            else:
+                outputs = self._execute(self.scheduler.schedule())
         except BaseException:
             self.abort_all_requests()
             raise
