@@ -166,10 +166,17 @@ class Tracer:
         """End the trace with the ``end`` event, from ``stats``, a snapshot taken at shutdown, after
         any block events still held; close the sink."""
         self._flush_block_events()
-        self.sink.emit(EndEvent(event="end", step=self._step, time=self.clock(), kv_total_blocks=stats.kv_total_blocks,
-                            kv_free_blocks=stats.kv_free_blocks, kv_used_blocks=stats.kv_used_blocks,
-                            kv_cached_blocks=stats.kv_cached_blocks, num_running=stats.num_running_reqs,
-                            num_waiting=stats.num_waiting_reqs))
+        self.sink.emit(EndEvent(
+            event="end",
+            step=self._step,
+            time=self.clock(),
+            kv_total_blocks=stats.kv_total_blocks,
+            kv_free_blocks=stats.kv_free_blocks,
+            kv_used_blocks=stats.kv_used_blocks,
+            kv_cached_blocks=stats.kv_cached_blocks,
+            num_running=stats.num_running_reqs,
+            num_waiting=stats.num_waiting_reqs,
+        ))
         if self._owned is not None:
             self._owned.close()
 
