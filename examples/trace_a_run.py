@@ -1,4 +1,4 @@
-"""Trace a run: LLM(trace=FILE) writes one JSON event per engine step; trace_tools reads it back.
+"""Trace a run: LLM(trace=FILE) writes one JSON event per engine step; micro_vllm.trace.tools reads it back.
 
     python examples/trace_a_run.py [--model DIR] [--max-tokens N] [--trace FILE]
 
@@ -11,7 +11,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from micro_vllm import LLM, SamplingParams, trace_tools
+from micro_vllm import LLM, SamplingParams
+from micro_vllm.trace import tools as trace_tools
 from micro_vllm.model_loader.default_model_download import default_model_path
 
 SYSTEM = (

@@ -38,8 +38,10 @@ def make_request(prompt, max_tokens=4, request_id=None, **params) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), frozenset({0}))
 
 
-def make_kv_manager(num_blocks=16, block_size=4, specs=(FULL,), enable_caching=True) -> KVCacheManager:
-    return KVCacheManager(make_kv_cache_groups(list(specs)), num_blocks, block_size, enable_caching)
+def make_kv_manager(
+    num_blocks=16, block_size=4, specs=(FULL,), enable_caching=True, block_listener=None
+) -> KVCacheManager:
+    return KVCacheManager(make_kv_cache_groups(list(specs)), num_blocks, block_size, enable_caching, block_listener)
 
 
 def make_scheduler(

@@ -39,6 +39,31 @@ def test_allocate_and_free_block_ids():
     assert [b.block_id for b in kv.block_pool.free_queue] == [4, 5, 6, 7, 8, 9, 3, 2, 1]
 
 
+class RecordingListener:
+    def __init__(self) -> None:
+        self.events = []
+
+    def on_block_event(self, kind, block_ids, request_id) -> None:
+        self.events.append((kind, block_ids, request_id))
+
+
+def test_block_events_reach_the_listener_the_pool_is_given():
+    listener = RecordingListener()
+    kv = make_kv_manager(num_blocks=10, block_size=4, block_listener=listener)
+    first, second = make_request(list(range(10)), request_id="a"), make_request(list(range(10)), request_id="b")
+    allocate_prompt(kv, first)
+    allocate_prompt(kv, second)  # reuses the first's two full blocks
+    kv.free(first)
+    kv.free(second)
+    assert kv.reset_prefix_cache()
+    assert listener.events == [
+        ("allocated", [1, 2, 3], "a"), ("cached", [1], "a"), ("cached", [2], "a"),
+        ("hit", [1, 2], "b"), ("allocated", [4], "b"),
+        ("freed", [3], "a"), ("freed", [4, 2, 1], "b"),  # a block is freed by its last holder only
+        ("evicted", [1, 2], None),
+    ]
+
+
 def test_prefix_hit_across_requests_and_last_token_rule():
     kv = make_kv_manager(num_blocks=10, block_size=4)
     first = make_request(list(range(12)))
@@ -286,5 +311,5 @@ def test_num_blocks_needed_is_bounded_by_the_window():
     kv = make_kv_manager(block_size=4, specs=(FULL, sliding(8)))
     # 1000 tokens, chunks of at most 16: full attention keeps 250 blocks, the window needs
     # ceil((7 + 16) / 4) + 1 = 7, since a chunk's blocks need not start on a block boundary.
-    assert [m.max_blocks_needed(1000, 16) for m in kv.managers] == [250, 7]
+    assert [g.spec.max_blocks_per_request(1000, 16, kv.block_size) for g in kv.groups] == [250, 7]
     assert kv.max_blocks_needed(1000, 16) == 257

@@ -6,6 +6,7 @@ from core_helpers import (
     FULL, check_all_free, check_invariants, fake_output, make_request, make_scheduler, run_to_completion, sliding,
 )
 from micro_vllm.core.request import RequestStatus
+from micro_vllm.metrics.stats import PrefixCacheStats
 
 
 def test_chunked_prefill_respects_token_budget():
@@ -96,6 +97,42 @@ def test_request_that_can_never_fit_is_refused():
     scheduler.add_request(make_request(10, max_tokens=6))  # 16 tokens = 4 blocks fits
 
 
+def test_prompt_that_leaves_no_room_under_max_model_len_is_refused():
+    scheduler = make_scheduler(max_model_len=16)
+    with pytest.raises(ValueError, match=r"prompt of 16 tokens leaves no room.*max_model_len=16.*at most 15"):
+        scheduler.add_request(make_request(16))
+    assert not scheduler.requests
+    scheduler.add_request(make_request(15))
+
+
+def test_each_plan_comes_with_a_stats_snapshot():
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32)
+    first = make_request(list(range(10)), max_tokens=3)
+    scheduler.add_request(first)
+    plan = scheduler.schedule()
+    stats = scheduler.stats
+    assert (stats.num_prefill_tokens, stats.num_decode_tokens, stats.decode_req_ids) == (10, 0, frozenset())
+    assert stats.prefix_cache_stats == PrefixCacheStats(queries=10, hits=0)
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_preempted_reqs) == (1, 0, 0)
+    assert (stats.kv_total_blocks, stats.kv_used_blocks, stats.kv_cached_blocks) == (63, 3, 2)
+    assert stats.kv_cache_usage == 3 / 63
+    scheduler.update_from_output(fake_output(plan, scheduler))
+    second = make_request(list(range(10)) + [99], max_tokens=3)  # its first two blocks are cached
+    scheduler.add_request(second)
+    scheduler.add_request(make_request(4, max_tokens=3))
+    plan = scheduler.schedule()
+    assert scheduler.stats is not stats and stats.num_prefill_tokens == 10  # a frozen snapshot per plan
+    stats = scheduler.stats
+    assert stats.decode_req_ids == {first.request_id} and stats.num_decode_tokens == 1
+    assert stats.num_prefill_tokens == 3 + 4 == plan.total_num_scheduled_tokens - 1
+    assert stats.prefix_cache_stats == PrefixCacheStats(queries=11 + 4, hits=8)
+    assert (stats.num_running_reqs, stats.kv_used_blocks) == (3, 3 + 1 + 1)  # the second shares two blocks
+    between = scheduler.make_stats()  # between steps: the state, and no step's work
+    assert (between.num_running_reqs, between.kv_free_blocks) == (3, stats.kv_free_blocks)
+    assert between.prefix_cache_stats == PrefixCacheStats()
+    assert between.num_prefill_tokens == between.num_decode_tokens == 0
+
+
 def test_preemption_recomputes_and_finishes_everything():
     # Room for one request of 16 tokens at a time (4 blocks of 4), many requests.
     scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, max_model_len=16)
@@ -106,6 +143,7 @@ def test_preemption_recomputes_and_finishes_everything():
 
     def check(s, plan):
         preempted.update(plan.preempted_req_ids)
+        assert s.stats.num_preempted_reqs == len(plan.preempted_req_ids)
         kv = s.kv_cache_manager
         assert kv.num_free_blocks + sum(b.ref_cnt > 0 for b in kv.block_pool.blocks[1:]) == kv.num_usable_blocks
 

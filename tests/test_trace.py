@@ -10,7 +10,7 @@ import pytest
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.cli import main
 from micro_vllm.trace import TraceConfig
-from micro_vllm.trace_tools import read_trace, summarize, to_chrome_trace
+from micro_vllm.trace.tools import format_summary, read_trace, summarize, to_chrome_trace
 from tiny_models import make_tiny_model
 
 SHARED = list(range(10, 34))  # three full blocks of 8, shared by every prompt
@@ -23,6 +23,10 @@ STEP_KEYS = {
     "prefix_cache_query_tokens": int, "preempted": list, "finished": list,
 }
 BLOCK_EVENTS = {"allocated", "hit", "freed", "cached", "evicted"}
+END_KEYS = {
+    "event": str, "step": int, "time": float, "kv_total_blocks": int, "kv_free_blocks": int, "kv_used_blocks": int,
+    "kv_cached_blocks": int, "num_running": int, "num_waiting": int,
+}
 
 
 class ListSink:
@@ -57,16 +61,22 @@ def _run(model_dir, trace, prompts=PROMPTS, **overrides):
 def test_off_by_default(model_dir):
     with _llm(model_dir) as llm:
         assert llm.engine.tracer is None
-        assert llm.engine.scheduler.kv_cache_manager.block_pool.events is None
+        assert llm.engine.scheduler.kv_cache_manager.block_pool.listener is None
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-        assert llm.engine.scheduler.kv_cache_manager.block_pool.events is None
+
+
+def test_the_block_pool_has_a_listener_only_at_block_level(model_dir):
+    with _llm(model_dir, TraceConfig(ListSink(), level="step")) as llm:
+        assert llm.engine.scheduler.kv_cache_manager.block_pool.listener is None
+    with _llm(model_dir, TraceConfig(ListSink(), level="block")) as llm:
+        assert llm.engine.scheduler.kv_cache_manager.block_pool.listener is llm.engine.tracer
 
 
 def test_one_event_per_step_with_the_schema(model_dir):
     sink = ListSink()
     outputs = _run(model_dir, sink, num_blocks=200)  # a roomy cache: no preemption
-    start, *rest = sink.events
-    assert start["event"] == "start" and start["kv_total_blocks"] > 0 and start["block_size"] == 8
+    start, *rest, end = sink.events
+    assert start["event"] == "start" and start["kv_total_blocks"] == 199 and start["block_size"] == 8
     steps = _steps(rest)
     assert len(steps) == len(rest)  # level "step" writes nothing else
     assert [s["step"] for s in steps] == list(range(len(steps)))
@@ -89,6 +99,13 @@ def test_one_event_per_step_with_the_schema(model_dir):
     assert sum(s["num_prefill_tokens"] for s in steps) == sum(len(p) for p in PROMPTS) - hits
     assert sum(s["num_decode_tokens"] for s in steps) == sum(len(o.output_token_ids) - 1 for o in outputs)
     assert sum(s["prefix_cache_query_tokens"] for s in steps) == sum(len(p) for p in PROMPTS)
+    # The trace ends when the LLM shuts down, with the cache after the last frees: nothing held,
+    # the prefixes still cached.
+    for key, kind in END_KEYS.items():
+        assert isinstance(end[key], kind), (key, end[key])
+    assert end["event"] == "end" and end["step"] == len(steps) and end["time"] >= steps[-1]["time"]
+    assert end["kv_used_blocks"] == 0 and end["kv_free_blocks"] == end["kv_total_blocks"] == 199
+    assert end["kv_cached_blocks"] >= 3 and end["num_running"] == end["num_waiting"] == 0
 
 
 def test_jsonl_path_and_emit_object_write_the_same_events(model_dir, tmp_path):
@@ -98,8 +115,10 @@ def test_jsonl_path_and_emit_object_write_the_same_events(model_dir, tmp_path):
         llm = _llm(model_dir, path)
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         from_file = read_trace(path)  # readable before shutdown: the file is line buffered
-        llm.shutdown()
-        assert _without_times(from_file) == _without_times(sink.events)
+        assert _without_times(from_file) == _without_times(sink.events[:-1])
+        llm.shutdown()  # writes the end event
+        assert _without_times(read_trace(path)) == _without_times(sink.events)
+        assert sink.events[-1]["event"] == "end"
 
 
 def _without_times(events):
@@ -110,7 +129,7 @@ def test_block_events_only_at_block_level(model_dir):
     step_level, block_level = ListSink(), ListSink()
     outputs = _run(model_dir, TraceConfig(step_level, level="step"))
     _run(model_dir, TraceConfig(block_level, level="block"))
-    assert {e["event"] for e in step_level.events} == {"start", "step"}
+    assert {e["event"] for e in step_level.events} == {"start", "step", "end"}
     blocks = [e for e in block_level.events if e["event"] in BLOCK_EVENTS]
     assert {e["event"] for e in blocks} >= {"allocated", "freed", "cached"}
     request_ids = {o.request_id for o in outputs}
@@ -216,6 +235,23 @@ def test_summarize_matches_the_events(preempted_trace, capsys):
     assert f"preemptions        {preemptions}\n" in text
     assert f"steps              {len(steps)}\n" in text
     assert "peak KV use        11 / 11 blocks (100.0%)" in text
+    end = read_trace(path)[-1]
+    assert summary.end_kv_blocks_used == 0 and summary.end_unfinished == 0
+    assert summary.end_kv_cached_blocks == end["kv_cached_blocks"] > 0
+    assert f"KV at end          0 / 11 blocks in use, {end['kv_cached_blocks']} cached, 0 requests unfinished\n" in text
+    [without_end] = summarize(read_trace(path)[:-1])  # an engine that was not shut down
+    assert without_end.end_kv_blocks_used is None and "not recorded" in format_summary(without_end)
+
+
+def test_the_end_event_shows_blocks_still_held_at_shutdown(model_dir):
+    sink = ListSink()
+    with _llm(model_dir, sink) as llm:
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        llm.engine.scheduler.kv_cache_manager.block_pool.get_new_blocks(2)  # held by no request, as a leak would be
+    end = sink.events[-1]
+    assert end["event"] == "end" and end["kv_used_blocks"] == 2 and end["num_running"] == end["num_waiting"] == 0
+    [summary] = summarize(sink.events)
+    assert "2 / 39 blocks in use" in format_summary(summary) and "a leak" in format_summary(summary)
 
 
 def test_plot_writes_a_png(preempted_trace, tmp_path):

@@ -75,20 +75,20 @@ def _add_trace(subparsers) -> None:
 
 
 def _trace(args) -> int:
-    from micro_vllm import trace_tools
+    from micro_vllm.trace import tools
 
-    events = trace_tools.read_trace(args.file)
+    events = tools.read_trace(args.file)
     if args.trace_command == "summarize":
-        summaries = trace_tools.summarize(events)
+        summaries = tools.summarize(events)
         if args.json:
             print(json.dumps([dataclasses.asdict(s) for s in summaries], indent=2))
         else:
-            print("\n\n".join(f"run {i}\n{trace_tools.format_summary(s)}" for i, s in enumerate(summaries)))
+            print("\n\n".join(f"run {i}\n{tools.format_summary(s)}" for i, s in enumerate(summaries)))
     elif args.trace_command == "plot":
-        trace_tools.plot(events, args.output)
+        tools.plot(events, args.output)
         print(f"wrote {args.output}")
     else:
-        trace_tools.write_chrome_trace(events, args.output)
+        tools.write_chrome_trace(events, args.output)
         print(f"wrote {args.output} (open it at https://ui.perfetto.dev)")
     return 0
 

@@ -101,14 +101,17 @@ class SchedulerConfig:
         check_field(self, "max_num_seqs", check_int, 1)
         check_field(self, "enable_chunked_prefill", check_bool)
         check_field(self, "async_scheduling", check_bool)
-        if (
-            not self.enable_chunked_prefill
-            and self.max_model_len is not None
-            and self.max_num_batched_tokens < self.max_model_len
-        ):
+        if self.max_model_len is not None:
+            self.verify_max_model_len(self.max_model_len)
+
+    def verify_max_model_len(self, max_model_len: int) -> None:
+        """Refuse a budget that cannot make progress: without chunked prefill a prompt is computed in
+        one step, so the step budget must hold the longest. Checked here when ``max_model_len`` is
+        given, and by the engine when it comes from the model."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is too small to make progress: without "
-                f"chunked prefill it must be >= max_model_len ({self.max_model_len})"
+                f"chunked prefill it must be >= max_model_len ({max_model_len})"
             )
 
 

@@ -7,7 +7,18 @@ window no longer needs and is never allocated or freed.
 
 from __future__ import annotations
 
+from typing import Literal, Protocol
+
 from micro_vllm.core.prefix_cache import PrefixCache
+
+BlockEventKind = Literal["allocated", "hit", "freed", "cached", "evicted"]
+
+
+class BlockEventListener(Protocol):
+    """Told what happens to blocks (the trace at level "block"). ``request_id`` is None for what no
+    one request caused: a prefix-cache reset, the rollback of a failed step."""
+
+    def on_block_event(self, kind: BlockEventKind, block_ids: list[int], request_id: str | None) -> None: ...
 
 
 class KVCacheBlock:
@@ -74,14 +85,14 @@ class BlockPool:
     """All blocks of the cache, shared by every KV cache group; owns the free queue and the prefix
     cache table, and reports what happens to blocks to an optional listener (the trace)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, listener: BlockEventListener | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} is too small: one block is reserved, one more is needed")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.prefix_cache = PrefixCache()
-        self.events: list[dict] | None = None  # block-level trace events, when that is turned on
+        self.listener = listener
 
     @property
     def num_usable_blocks(self) -> int:
@@ -98,8 +109,8 @@ class BlockPool:
         for block in blocks:
             block.block_hash = None
             block.ref_cnt = 1
-        self._record("evicted", evicted, request_id)
-        self._record("allocated", [b.block_id for b in blocks], request_id)
+        self._notify("evicted", evicted, request_id)
+        self._notify("allocated", [b.block_id for b in blocks], request_id)
         return blocks
 
     def touch(self, blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
@@ -112,7 +123,7 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
             hit.append(block.block_id)
-        self._record("hit", hit, request_id)
+        self._notify("hit", hit, request_id)
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
         """Drop a reference on each block; blocks that reach zero join the back of the free queue in
@@ -125,18 +136,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
                 freed.append(block.block_id)
-        self._record("freed", freed, request_id)
+        self._notify("freed", freed, request_id)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int, request_id: str) -> None:
         self.prefix_cache.insert(block, block_hash, group_id)
-        self._record("cached", [block.block_id], request_id)
+        self._notify("cached", [block.block_id], request_id)
 
     def uncache(self, block: KVCacheBlock, key: tuple[bytes, int]) -> None:
         """Forget that ``block`` holds the K/V of ``key`` (a failed step may not have computed them);
         nothing happens if the block was reused meanwhile."""
         if block.block_hash == key:
             self.prefix_cache.evict(block)
-            self._record("evicted", [block.block_id], None)
+            self._notify("evicted", [block.block_id], None)
 
     def free_all(self) -> None:
         """Return every block to a free queue built anew, once no request holds any (after a failed
@@ -147,7 +158,7 @@ class BlockPool:
             block.ref_cnt = 0
         self.prefix_cache.drop_stale()
         self.free_queue = FreeKVCacheBlockQueue(sorted(self.blocks[1:], key=lambda b: b.block_hash is not None))
-        self._record("freed", held, None)
+        self._notify("freed", held, None)
 
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
         return self.prefix_cache.get(block_hash, group_id)
@@ -161,9 +172,9 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.prefix_cache.clear()
-        self._record("evicted", evicted, None)
+        self._notify("evicted", evicted, None)
         return True
 
-    def _record(self, kind: str, block_ids: list[int], request_id: str | None) -> None:
-        if self.events is not None and block_ids:
-            self.events.append({"event": kind, "block_ids": block_ids, "request_id": request_id})
+    def _notify(self, kind: BlockEventKind, block_ids: list[int], request_id: str | None) -> None:
+        if self.listener is not None and block_ids:
+            self.listener.on_block_event(kind, block_ids, request_id)

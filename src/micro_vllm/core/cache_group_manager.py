@@ -87,10 +87,6 @@ class SingleTypeKVCacheManager(ABC):
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
         """The cached blocks that let a request skip its first ``len(result) * block_size`` tokens."""
 
-    def max_blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        """The most blocks one request of ``num_tokens`` holds at once."""
-        return self.spec.max_blocks_per_request(num_tokens, max_chunk_tokens, self.block_size)
-
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:

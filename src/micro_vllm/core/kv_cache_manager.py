@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from micro_vllm.attention.spec import AttentionSpec
-from micro_vllm.core.block import BlockPool, KVCacheBlock
+from micro_vllm.core.block import BlockEventListener, BlockPool, KVCacheBlock
 from micro_vllm.core.cache_group_manager import make_manager
 from micro_vllm.core.prefix_cache import update_block_hashes
 from micro_vllm.core.request import Request
@@ -46,11 +46,18 @@ def max_blocks_per_request(groups: list[KVCacheGroup], num_tokens: int, max_chun
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        groups: list[KVCacheGroup],
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        block_listener: BlockEventListener | None = None,
+    ) -> None:
         self.groups = groups
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, block_listener)
         self.managers = [make_manager(g.spec, self.block_pool, block_size, i) for i, g in enumerate(groups)]
         self._no_hit: BlocksPerGroup = [[] for _ in groups]  # read only
         self._no_block_ids: BlockIds = ((),) * len(groups)
@@ -65,6 +72,11 @@ class KVCacheManager:
     @property
     def num_usable_blocks(self) -> int:
         return self.block_pool.num_usable_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a prefix-cache hash, in use or free."""
+        return len(self.block_pool.prefix_cache)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

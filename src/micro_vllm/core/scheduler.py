@@ -18,6 +18,7 @@ from micro_vllm.config import SchedulerConfig
 from micro_vllm.core.kv_cache_manager import KVCacheManager
 from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from micro_vllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from micro_vllm.outputs import ModelRunnerOutput
 
 
@@ -30,14 +31,22 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.finished_req_ids: set[str] = set()  # since the last plan; the runner drops them
+        self.stats = self.make_stats()  # made with each plan, while that step's blocks are held
 
     # -- requests in and out -------------------------------------------------------------------
 
     def check_fits(self, request: Request) -> int:
-        """Refuse a request that could not run even with the whole cache to itself; return the most
-        tokens one step may compute for it. A sliding window holds only the window plus the step,
-        so with chunked prefill a request longer than the cache runs in steps small enough to fit;
-        without it a prompt, or a resumed request, is computed in one step of up to the budget."""
+        """Every check that a request fits this engine: refuse a prompt that leaves no room under
+        ``max_model_len``, or a request that could not run even with the whole cache to itself;
+        return the most tokens one step may compute for it. A sliding window holds only the window
+        plus the step, so with chunked prefill a request longer than the cache runs in steps small
+        enough to fit; without it a prompt, or a resumed request, is computed in one step of up to
+        the budget."""
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate: "
+                f"max_model_len={self.max_model_len} allows prompts of at most {self.max_model_len - 1} tokens"
+            )
         limit = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
@@ -106,14 +115,34 @@ class Scheduler:
             scheduled_new_reqs=tuple(step.new_reqs),
             scheduled_cached_reqs=tuple(step.cached_reqs),
             num_scheduled_tokens=step.num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
+            total_num_scheduled_tokens=step.num_tokens,
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=frozenset(r.request_id for r in step.preempted),
         )
         self.finished_req_ids.clear()
         if plan.is_empty:
             self.kv_cache_manager.cancel_step()
+        self.stats = self.make_stats(step)
         return plan
+
+    def make_stats(self, step: _StepBuilder | None = None) -> SchedulerStats:
+        """A snapshot of the queues and the KV cache as they are now, with what ``step`` planned
+        (nothing when taken between steps)."""
+        kv = self.kv_cache_manager
+        step = step or _StepBuilder(0)
+        num_decode_tokens = len(step.decode_req_ids)
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_total_blocks=kv.num_usable_blocks,
+            kv_free_blocks=kv.num_free_blocks,
+            kv_cached_blocks=kv.num_cached_blocks,
+            num_prefill_tokens=step.num_tokens - num_decode_tokens,
+            num_decode_tokens=num_decode_tokens,
+            decode_req_ids=frozenset(step.decode_req_ids),
+            prefix_cache_stats=PrefixCacheStats(step.prefix_cache_queries, step.prefix_cache_hits),
+            num_preempted_reqs=len(step.preempted),
+        )
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         """Give each running request, oldest first, what it still needs; preempt from the newest
@@ -161,6 +190,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:  # the first admission's hit; a resumption is no new hit
                 request.num_cached_tokens = num_computed
+            step.prefix_cache_queries += request.num_tokens
+            step.prefix_cache_hits += num_computed
             step.new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -239,16 +270,23 @@ class _StepBuilder:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens still free under max_num_batched_tokens
+        self.num_tokens = 0  # tokens scheduled
         self.num_scheduled: dict[str, int] = {}
         self.new_reqs: list[NewRequestData] = []
         self.cached_reqs: list[CachedRequestData] = []
         self.preempted: list[Request] = []
+        self.decode_req_ids: list[str] = []
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, of the requests admitted
 
     def add(self, request: Request, num_tokens: int) -> None:
         """Schedule ``num_tokens`` of ``request``: they count as computed from now on, and a step
         that reaches the end of the known tokens samples one more (a placeholder until it returns)."""
         self.num_scheduled[request.request_id] = num_tokens
         self.budget -= num_tokens
+        self.num_tokens += num_tokens
         request.num_computed_tokens += num_tokens
+        # A decode computes the one token the request sampled last; anything else is prefill.
+        if num_tokens == 1 and request.num_computed_tokens > request.num_prompt_tokens:
+            self.decode_req_ids.append(request.request_id)
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1

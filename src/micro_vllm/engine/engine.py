@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -30,24 +29,17 @@ from micro_vllm.engine.output import RequestOutput
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
+from micro_vllm.metrics.stats import SchedulerStats
 from micro_vllm.model_loader.checkpoint import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
-from micro_vllm.trace import Tracer, resolve_trace
+from micro_vllm.trace.events import RunInfo
+from micro_vllm.trace.tracer import Tracer, resolve_trace
 from micro_vllm.validation import is_int, reject, short_repr
 
 PromptType = Union[str, list[int], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one step computed, for progress bars and traces."""
-
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    decode_req_ids: frozenset[str] = frozenset()  # the rest of the scheduled requests are prefilling
 
 
 class Engine:
@@ -69,18 +61,18 @@ class Engine:
             groups, self.max_model_len, config.scheduler_config.max_num_batched_tokens, config.cache_config.block_size
         ))
         self.executor.initialize_kv_cache(groups, self.num_blocks)
+        self.tracer = Tracer(trace_config) if trace_config is not None else None
         cache_config = config.cache_config
         kv_cache_manager = KVCacheManager(
-            groups, self.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            groups, self.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            block_listener=self.tracer.block_listener if self.tracer is not None else None,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
         self.in_flight: deque[AsyncModelRunnerOutput] = deque()
         self._in_step = False  # set while a step runs; still set after a failed step's rollback failed
         self.prompts: dict[str, str | None] = {}
-        self.last_step_stats = StepStats(0, 0)
-        self.tracer: Tracer | None = None
-        if trace_config is not None:
-            self.tracer = Tracer(trace_config, kv_cache_manager.block_pool, self._run_info())
+        if self.tracer is not None:
+            self.tracer.record_start(self._run_info(), self.scheduler.stats)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -95,11 +87,6 @@ class Engine:
         if bad:
             raise ValueError(
                 f"prompt_token_ids contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(token_ids)} tokens leaves no room to generate: max_model_len={self.max_model_len} "
-                f"allows prompts of at most {self.max_model_len - 1} tokens"
             )
         request = Request(request_id, token_ids, params, self.eos_token_ids)
         self.scheduler.check_fits(request)
@@ -118,11 +105,17 @@ class Engine:
         if not aborted:
             return None
         if self.tracer is not None:
-            self.tracer.record_abort(request_id, self.scheduler.kv_cache_manager.num_free_blocks)
+            self.tracer.record_abort(request_id, self.scheduler.make_stats())
         return self._make_output(aborted[0])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def last_step_stats(self) -> SchedulerStats:
+        """The snapshot the scheduler made with the last plan: the queues and KV cache while that
+        step's blocks were held, its prefill and decode tokens, prefix-cache hits, preemptions."""
+        return self.scheduler.stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -137,7 +130,10 @@ class Engine:
         self._finish_rollback()
         self._in_step = True
         try:
-            outputs = self._traced_step(self.tracer) if self.tracer is not None else self._execute(self._schedule())
+            if self.tracer is not None:
+                outputs = self._traced_step(self.tracer)
+            else:
+                outputs = self._execute(self.scheduler.schedule())
         except BaseException:
             self.abort_all_requests()
             raise
@@ -157,14 +153,18 @@ class Engine:
         self.executor.reset_batch()
         self._in_step = False
         if self.tracer is not None:
+            stats = self.scheduler.make_stats()
             for request in aborted:
-                self.tracer.record_abort(request.request_id, self.scheduler.kv_cache_manager.num_free_blocks)
+                self.tracer.record_abort(request.request_id, stats)
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
-        if self.tracer is not None:
-            self.tracer.close()
-            self.tracer = None
+        """Release the executor; a trace ends with the KV cache as it is left (its ``end`` event)."""
+        try:
+            self.executor.shutdown()
+        finally:
+            if self.tracer is not None:
+                self.tracer.close(self.scheduler.make_stats())
+                self.tracer = None
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -172,11 +172,6 @@ class Engine:
         """Roll back a step whose rollback was itself interrupted (a second Ctrl-C, say)."""
         if self._in_step:
             self.abort_all_requests()
-
-    def _schedule(self) -> SchedulerOutput:
-        plan = self.scheduler.schedule()
-        self.last_step_stats = self._step_stats(plan)
-        return plan
 
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
         self.in_flight.append(self.executor.execute_model(plan))
@@ -189,36 +184,23 @@ class Engine:
 
     def _traced_step(self, tracer: Tracer) -> list[RequestOutput]:
         started = tracer.clock()
-        plan = self._schedule()
-        # The event reads the scheduler right after scheduling, when this step's blocks are held.
-        event = tracer.step_event(plan, self.last_step_stats, self.scheduler, started)
+        plan = self.scheduler.schedule()
+        stats = self.scheduler.stats  # made with the plan, while this step's blocks are held
         outputs = self._execute(plan)
-        tracer.emit_step(event, [o.request_id for o in outputs])
+        tracer.record_step(plan, stats, started, [o.request_id for o in outputs])
         return outputs
 
-    def _step_stats(self, plan: SchedulerOutput) -> StepStats:
-        """Split the step's tokens into prefill and decode. A decode computes the one token a request
-        sampled last; everything else (prompt chunks, recomputation after preemption) is prefill.
-        (The plan has already advanced ``num_computed_tokens`` past this step's tokens.)"""
-        decode, decode_ids = 0, []
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            request = self.scheduler.requests[request_id]
-            if num_tokens == 1 and request.num_computed_tokens > request.num_prompt_tokens:
-                decode += num_tokens
-                decode_ids.append(request_id)
-        return StepStats(plan.total_num_scheduled_tokens - decode, decode, frozenset(decode_ids))
-
-    def _run_info(self) -> dict[str, Any]:
+    def _run_info(self) -> RunInfo:
         """The settings a trace reader needs to make sense of the steps."""
         config = self.config
-        return {
-            "model": config.model_config.model,
-            "block_size": config.cache_config.block_size,
-            "enable_prefix_caching": config.cache_config.enable_prefix_caching,
-            "max_model_len": self.max_model_len,
-            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-            "max_num_seqs": config.scheduler_config.max_num_seqs,
-        }
+        return RunInfo(
+            model=config.model_config.model,
+            block_size=config.cache_config.block_size,
+            enable_prefix_caching=config.cache_config.enable_prefix_caching,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+        )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None when given as ids only) and its token ids, each of its parts checked."""
@@ -274,20 +256,13 @@ def _resolve_max_model_len(config: LLMConfig, hf_config) -> int:
     if requested is None:
         if model_limit is None:
             raise ValueError("max_model_len must be given: the model config has no max_position_embeddings")
-        max_model_len = model_limit
-    elif model_limit is not None and requested > model_limit:
+        config.scheduler_config.verify_max_model_len(model_limit)  # a given one was checked on construction
+        return model_limit
+    if model_limit is not None and requested > model_limit:
         raise ValueError(
             f"max_model_len={requested} is not allowed; this model supports at most {model_limit} tokens"
         )
-    else:
-        max_model_len = requested
-    scheduler_config = config.scheduler_config
-    if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is too small to make progress: "
-            f"without chunked prefill it must be >= max_model_len ({max_model_len})"
-        )
-    return max_model_len
+    return requested
 
 
 def _eos_token_ids(path: Path, hf_config, tokenizer) -> frozenset[int]:

@@ -1,8 +1,9 @@
 """Reading a trace back: per-run summaries, a picture of the run, and Chrome trace export.
 
 This module owns everything the ``micro-vllm trace`` commands do with a JSON-lines trace written by
-``trace.py``. A file may hold several runs (several engines writing to one sink); each ``start``
-event begins a new one. matplotlib is imported only by ``plot`` (the ``trace`` extra).
+``tracer.py`` (its events are defined in ``events.py``). A file may hold several runs (several
+engines writing to one sink); each ``start`` event begins a new one. matplotlib is imported only by
+``plot`` (the ``trace`` extra).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-Event = dict[str, Any]
+from micro_vllm.trace.events import EndEvent, StepEvent, TraceEvent
+
+ChromeEvent = dict[str, Any]  # one event of the Chrome trace format
 
 
 # -- reading -----------------------------------------------------------------------------------
 
 
-def read_trace(path: str | Path) -> list[Event]:
+def read_trace(path: str | Path) -> list[TraceEvent]:
     """The events of a JSON-lines trace; a bad line raises with its number."""
     events = []
     with open(path, encoding="utf-8") as file:
@@ -36,9 +39,9 @@ def read_trace(path: str | Path) -> list[Event]:
     return events
 
 
-def split_runs(events: list[Event]) -> list[list[Event]]:
+def split_runs(events: list[TraceEvent]) -> list[list[TraceEvent]]:
     """One list per run: a ``start`` event opens a run; events before any start form one too."""
-    runs: list[list[Event]] = []
+    runs: list[list[TraceEvent]] = []
     for event in events:
         if event["event"] == "start" or not runs:
             runs.append([])
@@ -46,7 +49,7 @@ def split_runs(events: list[Event]) -> list[list[Event]]:
     return runs
 
 
-def _steps(run: list[Event]) -> list[Event]:
+def _steps(run: list[TraceEvent]) -> list[StepEvent]:
     return [e for e in run if e["event"] == "step"]
 
 
@@ -71,13 +74,17 @@ class RunSummary:
     peak_kv_usage: float  # fraction of kv_total_blocks
     peak_running: int
     peak_waiting: int
+    # From the ``end`` event; None when the run has none (its engine was not shut down).
+    end_kv_blocks_used: int | None  # blocks still held at shutdown: above 0 with nothing unfinished, a leak
+    end_kv_cached_blocks: int | None
+    end_unfinished: int | None  # requests running or waiting at shutdown
 
 
-def summarize(events: list[Event]) -> list[RunSummary]:
+def summarize(events: list[TraceEvent]) -> list[RunSummary]:
     return [_summarize_run(_steps(run), run) for run in split_runs(events)]
 
 
-def _summarize_run(steps: list[Event], run: list[Event]) -> RunSummary:
+def _summarize_run(steps: list[StepEvent], run: list[TraceEvent]) -> RunSummary:
     prefill = sum(s["num_prefill_tokens"] for s in steps)
     decode = sum(s["num_decode_tokens"] for s in steps)
     wall = steps[-1]["time"] + steps[-1]["duration"] - steps[0]["time"] if steps else 0.0
@@ -85,6 +92,7 @@ def _summarize_run(steps: list[Event], run: list[Event]) -> RunSummary:
     queries = sum(s["prefix_cache_query_tokens"] for s in steps)
     total = next((e["kv_total_blocks"] for e in run if "kv_total_blocks" in e), 0)
     peak_used = max((s["kv_total_blocks"] - s["kv_free_blocks"] for s in steps), default=0)
+    end = _end(run)
     return RunSummary(
         steps=len(steps),
         prefill_tokens=prefill,
@@ -102,7 +110,14 @@ def _summarize_run(steps: list[Event], run: list[Event]) -> RunSummary:
         peak_kv_usage=peak_used / total if total else 0.0,
         peak_running=max((s["num_running"] for s in steps), default=0),
         peak_waiting=max((s["num_waiting"] for s in steps), default=0),
+        end_kv_blocks_used=end and end["kv_used_blocks"],
+        end_kv_cached_blocks=end and end["kv_cached_blocks"],
+        end_unfinished=end and end["num_running"] + end["num_waiting"],
     )
+
+
+def _end(run: list[TraceEvent]) -> EndEvent | None:
+    return next((e for e in run if e["event"] == "end"), None)
 
 
 def format_summary(summary: RunSummary) -> str:
@@ -118,9 +133,20 @@ def format_summary(summary: RunSummary) -> str:
                               f"({100 * s.prefix_cache_hit_rate:.1f}%)"),
         ("peak KV use", f"{s.peak_kv_blocks_used} / {s.kv_total_blocks} blocks ({100 * s.peak_kv_usage:.1f}%)"),
         ("peak batch", f"{s.peak_running} running, {s.peak_waiting} waiting"),
+        ("KV at end", _format_end(s)),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _format_end(s: RunSummary) -> str:
+    if s.end_kv_blocks_used is None:
+        return "not recorded (no end event: the engine was not shut down)"
+    text = (f"{s.end_kv_blocks_used} / {s.kv_total_blocks} blocks in use, {s.end_kv_cached_blocks} cached, "
+            f"{s.end_unfinished} requests unfinished")
+    if s.end_kv_blocks_used and not s.end_unfinished:
+        text += " (blocks held with no request left: a leak)"
+    return text
 
 
 # -- plot --------------------------------------------------------------------------------------
@@ -129,7 +155,7 @@ _PREFILL, _DECODE, _USED, _CACHED = "#4C72B0", "#DD8452", "#55A868", "#8172B2"
 _PREEMPT, _FINISH, _DONE = "#C44E52", "#7F7F7F", "#937860"
 
 
-def plot(events: list[Event], out: str | Path) -> None:
+def plot(events: list[TraceEvent], out: str | Path) -> None:
     """Draw the last run of a trace: batch composition, KV blocks, and requests, step by step."""
     try:
         import matplotlib
@@ -161,11 +187,11 @@ def plot(events: list[Event], out: str | Path) -> None:
     plt.close(fig)
 
 
-def _start(run: list[Event]) -> Event:
+def _start(run: list[TraceEvent]) -> TraceEvent:
     return run[0] if run and run[0]["event"] == "start" else {}
 
 
-def _title(steps: list[Event], run: list[Event]) -> str:
+def _title(steps: list[StepEvent], run: list[TraceEvent]) -> str:
     s = _summarize_run(steps, run)
     title = (f"{s.steps} steps, {s.prefill_tokens + s.decode_tokens} tokens, {s.finished} requests, "
              f"{s.preemptions} preemptions, prefix-cache hit rate {100 * s.prefix_cache_hit_rate:.0f}%")
@@ -176,7 +202,7 @@ def _title(steps: list[Event], run: list[Event]) -> str:
     return title
 
 
-def _plot_tokens(ax, x: list[int], steps: list[Event], start: Event) -> None:
+def _plot_tokens(ax, x: list[int], steps: list[StepEvent], start: TraceEvent) -> None:
     prefill = [s["num_prefill_tokens"] for s in steps]
     decode = [s["num_decode_tokens"] for s in steps]
     ax.bar(x, prefill, width=1.0, color=_PREFILL, label="prefill tokens", linewidth=0)
@@ -193,7 +219,7 @@ def _plot_tokens(ax, x: list[int], steps: list[Event], start: Event) -> None:
     ax.set_ylim(0, max(max(p + d for p, d in zip(prefill, decode)), start.get("max_num_batched_tokens", 0)) * 1.3)
 
 
-def _plot_kv(ax, x: list[int], steps: list[Event]) -> None:
+def _plot_kv(ax, x: list[int], steps: list[StepEvent]) -> None:
     total = steps[0]["kv_total_blocks"]
     used = [s["kv_total_blocks"] - s["kv_free_blocks"] for s in steps]
     ax.fill_between(x, used, step="mid", color=_USED, alpha=0.45, linewidth=0, label="blocks in use")
@@ -207,7 +233,7 @@ def _plot_kv(ax, x: list[int], steps: list[Event]) -> None:
     ax.legend(loc="upper right", fontsize=8, ncol=3, framealpha=0.9)
 
 
-def _plot_requests(ax, x: list[int], steps: list[Event]) -> None:
+def _plot_requests(ax, x: list[int], steps: list[StepEvent]) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.step(x, [s["num_running"] for s in steps], where="mid", color="#222222", label="running")
@@ -220,7 +246,7 @@ def _plot_requests(ax, x: list[int], steps: list[Event]) -> None:
     ax.legend(loc="upper right", fontsize=8, ncol=3, framealpha=0.9)
 
 
-def _mark_events(ax, steps: list[Event]) -> None:
+def _mark_events(ax, steps: list[StepEvent]) -> None:
     for s in steps:
         if s["finished"]:
             ax.axvline(s["step"], color=_FINISH, linestyle=":", linewidth=0.8, alpha=0.6, zorder=0)
@@ -239,16 +265,20 @@ def _line(color: str, style: str):
 _ENGINE_PID, _REQUEST_PID = 1, 2
 
 
-def to_chrome_trace(events: list[Event]) -> dict[str, Any]:
+def to_chrome_trace(events: list[TraceEvent]) -> dict[str, Any]:
     """Chrome trace event format (opens in Perfetto and chrome://tracing). Timestamps are in
     microseconds from the engine's start; each run of the file becomes its own pair of processes."""
-    out: list[Event] = []
+    out: list[ChromeEvent] = []
     for index, run in enumerate(split_runs(events)):
         pid = 2 * index + _ENGINE_PID
         out += _metadata(pid, f"engine (run {index})", {0: "steps"})
         out += [e for step in _steps(run) for e in _step_events(step, pid)]
         out += [_instant(f"abort {e['request_id']}", e["time"], pid, {"step": e["step"]})
                 for e in run if e["event"] == "abort"]
+        end = _end(run)
+        if end is not None:  # the KV counters end where the last frees left them
+            out.append(_counter("KV blocks", end["time"], pid, {"in use": end["kv_used_blocks"],
+                                                                "cached": end["kv_cached_blocks"]}))
         out += _request_tracks(_steps(run), pid + 1, index)
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
@@ -257,22 +287,22 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
-def _metadata(pid: int, name: str, threads: dict[int, str]) -> list[Event]:
+def _metadata(pid: int, name: str, threads: dict[int, str]) -> list[ChromeEvent]:
     events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}]
     events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": thread}}
                for tid, thread in threads.items()]
     return events
 
 
-def _instant(name: str, seconds: float, pid: int, args: dict[str, Any]) -> Event:
+def _instant(name: str, seconds: float, pid: int, args: dict[str, Any]) -> ChromeEvent:
     return {"ph": "i", "s": "p", "name": name, "ts": _us(seconds), "pid": pid, "tid": 0, "args": args}
 
 
-def _counter(name: str, seconds: float, pid: int, values: dict[str, int]) -> Event:
+def _counter(name: str, seconds: float, pid: int, values: dict[str, int]) -> ChromeEvent:
     return {"ph": "C", "name": name, "ts": _us(seconds), "pid": pid, "tid": 0, "args": values}
 
 
-def _step_events(step: Event, pid: int) -> Iterator[Event]:
+def _step_events(step: StepEvent, pid: int) -> Iterator[ChromeEvent]:
     t, end = step["time"], step["time"] + step["duration"]
     args = {k: step[k] for k in ("step", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting",
                                  "kv_free_blocks", "prefix_cache_hit_tokens")}
@@ -288,11 +318,11 @@ def _step_events(step: Event, pid: int) -> Iterator[Event]:
         yield _instant(f"finish {request_id}", end, pid, {"step": step["step"]})
 
 
-def _request_tracks(steps: list[Event], pid: int, run_index: int) -> list[Event]:
+def _request_tracks(steps: list[StepEvent], pid: int, run_index: int) -> list[ChromeEvent]:
     """One track per request: consecutive steps of the same kind merge into one prefill or decode slice."""
     tids: dict[str, int] = {}
-    open_slices: dict[str, Event] = {}  # request id -> its slice still growing
-    out: list[Event] = []
+    open_slices: dict[str, ChromeEvent] = {}  # request id -> its slice still growing
+    out: list[ChromeEvent] = []
     for step in steps:
         end = step["time"] + step["duration"]
         for req in step["requests"]:
@@ -312,5 +342,5 @@ def _request_tracks(steps: list[Event], pid: int, run_index: int) -> list[Event]
     return _metadata(pid, f"requests (run {run_index})", {t: f"request {r}" for r, t in tids.items()}) + out
 
 
-def write_chrome_trace(events: list[Event], out: str | Path) -> None:
+def write_chrome_trace(events: list[TraceEvent], out: str | Path) -> None:
     Path(out).write_text(json.dumps(to_chrome_trace(events)))
