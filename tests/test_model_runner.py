@@ -1,5 +1,5 @@
 """Pieces of the ModelRunner that run on CUDA, exercised on CPU: the step buffers' copy (on CPU a
-StagedBuffer's host and device sides are one tensor, so a separate twin stands in for the device
+CpuGpuBuffer's host and device sides are one tensor, so a separate twin stands in for the device
 side) and the profiling step."""
 
 import torch
@@ -7,12 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from micro_vllm import LLM, SamplingParams
-from micro_vllm.worker.model_runner import StagedBuffer, profile_query_lens
+from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.worker.dummy_run import profile_query_lens, profile_run, warm_up
 from tiny_models import make_tiny_model
 
 
-def _with_separate_twin(*shape: int) -> StagedBuffer:
-    buffer = StagedBuffer(shape, torch.int32, torch.device("cpu"))
+def _with_separate_twin(*shape: int) -> CpuGpuBuffer:
+    buffer = CpuGpuBuffer(shape, torch.int32, torch.device("cpu"))
     buffer.device = torch.full(shape, -1, dtype=torch.int32)
     return buffer
 
@@ -54,12 +55,33 @@ def test_start_up_steps_run_on_cpu_and_write_no_kv(tmp_path):
         for layer in layers:
             layer.kv_cache.normal_()
         caches = [layer.kv_cache.clone() for layer in layers]
-        runner.warm_up()
+        warm_up(runner)
         assert all(torch.equal(layer.kv_cache, cache) for layer, cache in zip(layers, caches))
-        runner.profile_run()
+        profile_run(runner)
         assert all(layer.kv_cache.numel() == 0 for layer in layers)  # as before the cache is sized
         for layer, cache in zip(layers, caches):
             layer.kv_cache = cache
             cache[:, 0].zero_()  # the null block
         output = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
         assert len(output[0].output_token_ids) == 2
+
+
+def test_fetched_tokens_reach_the_persistent_batch_at_the_next_step(tmp_path):
+    """``get_output`` only returns a step's tokens; the runner writes them into its persistent batch
+    when it launches its next step, where the request's row is then (another request left meanwhile,
+    so rows moved)."""
+    path = make_tiny_model("qwen3", tmp_path)
+    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
+        engine = llm.engine
+        runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 5)]
+        for i, (prompt, p) in enumerate(zip(([1, 2, 3], [4, 5, 6, 7]), params)):
+            engine.add_request(engine.make_request(str(i), prompt, p))
+        output = runner.execute_model(scheduler.schedule()).get_output()
+        batch = runner.input_batch
+        row = batch.row_of["1"]
+        assert batch.token_ids[row, 4] != output.sampled_token_ids[1][0]  # fetched, not yet applied
+        scheduler.update_from_output(output)  # request "0" is done: the next plan drops its row
+        runner.execute_model(scheduler.schedule())
+        assert batch.row_of["1"] != row
+        assert batch.token_ids[batch.row_of["1"], 4] == output.sampled_token_ids[1][0]

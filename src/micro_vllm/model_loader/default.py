@@ -52,14 +52,12 @@ def load_hf_config(path: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(path)
 
 
-def load_model(
-    path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, attention_backend: str
-) -> nn.Module:
+def load_model(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``path``."""
     model_class = get_model_class(hf_config)
     files = safetensors_files(Path(path))
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(hf_config, attention_backend)
+        model = model_class(hf_config)
     checkpoint_names: dict[str, Path] = {}  # each tensor read so far -> its file, in reading order
     try:
         loaded = model.load_weights(_stream(files, checkpoint_names))
