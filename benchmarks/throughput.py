@@ -163,11 +163,13 @@ def disable_fused(layers: bool, sampler: bool) -> None:
     """Make the layers and/or the sampler take their PyTorch path on CUDA too: the 'before' of the
     Triton kernels that replace it, measured in the same run as the 'after'."""
     from micro_vllm import fused
+    from micro_vllm.worker import model_runner
 
     if layers:
         fused.triton_ops = None
-    if sampler:
-        fused.triton_sampler = None
+    if sampler:  # the runner builds its Sampler for the PyTorch route
+        build = model_runner.Sampler
+        model_runner.Sampler = lambda use_triton, *args: build(False, *args)
 
 
 def run_transformers(model_dir, prompts, max_new_tokens: int, temperature: float) -> tuple[int, float]:
