@@ -70,7 +70,7 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     # (the sort is the sampler's largest buffer) and without, so the variants of both sampler
     # kernels (model-dtype and fp32 logits) compile here. A Sampler of its own keeps the engine's
     # seed streams and torch's global one untouched.
-    sampler = Sampler(runner.sampler.use_triton, device=device)
+    sampler = Sampler(runner.sampler.use_triton, device=device, max_num_reqs=num_reqs)
     temperature = torch.ones(num_reqs, device=device)
     top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=device)
     top_p = torch.full((num_reqs,), 0.9, device=device)
