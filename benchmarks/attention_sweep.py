@@ -26,8 +26,8 @@ import random
 
 import torch
 
-from micro_vllm.attention.attention import AttentionMetadata
-from micro_vllm.attention.operators import triton_attn
+from micro_vllm.attention.backends import triton_attn
+from micro_vllm.attention.backends.abstract import CommonAttentionMetadata
 
 Tiles = triton_attn._Tiles
 # The decode shape in use. Others lost at 256 requests: 16 x 64 and 16 x 32 keys, 8 warps (13 to 20%
@@ -65,12 +65,12 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
     new_kv = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)  # the step's own K/V
     query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    metadata = AttentionMetadata(
+    metadata = triton_attn.TritonAttentionMetadata(CommonAttentionMetadata(
         num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         query_start_loc=query_start_loc.to(device), seq_lens=seq_lens_t.to(device), block_table=table.to(device),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens_t,
-    )
+    ))
     return query.to(device), kv_cache.to(device), metadata, new_kv.to(device)
 
 
@@ -86,7 +86,7 @@ def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Te
         triton_attn._num_splits = lambda *args: num_splits
     try:
         backend = triton_attn.TritonBackend()
-        if metadata.max_query_len == 1:
+        if metadata.common.max_query_len == 1:
             return backend.write_and_attend(query, *new_kv, kv_cache, metadata, scale=HEAD_SIZE**-0.5,
                                             sliding_window=None)
         return backend.forward(query, kv_cache, metadata, scale=HEAD_SIZE**-0.5, sliding_window=None)
@@ -126,7 +126,7 @@ def main() -> None:
     for num_reqs, shortest in decode_batches if args.part != "prefill" else ():
         contexts = [rng.randint(shortest, 2047) for _ in range(num_reqs)]
         query, kv_cache, metadata, new_kv = make_step([1] * num_reqs, contexts, "cuda")
-        order = torch.argsort(-metadata.seq_lens.long(), stable=True).to(torch.int32)  # as the runner orders
+        order = torch.argsort(-metadata.common.seq_lens.long(), stable=True).to(torch.int32)  # as the runner orders
         decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order), new_kv)
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
         # Splits only where (request, KV head) pairs alone leave SMs idle: with 128 requests or more

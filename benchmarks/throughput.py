@@ -42,8 +42,8 @@ def time_phases(llm: LLM):
     (with the part of it spent in ``get_output``: a kind that waits little is bound by the host).
 
     ``schedule`` and ``update`` are CPU work. ``execute`` launches the step: input preparation
-    (``prepare``), the forward pass (``forward``: a graph replay or eager launches), the sampler's
-    launches (``sample``); none of it should wait for the GPU. ``get_output`` waits for a step's
+    (``prepare``), the forward pass (``forward``: a graph replay or eager launches), the logits' and
+    the sampler's launches (``sample``); none of it should wait for the GPU. ``get_output`` waits for a step's
     tokens: with async scheduling, for the step before the one just launched."""
     totals: dict[str, float] = defaultdict(float)
 
@@ -67,7 +67,7 @@ def time_phases(llm: LLM):
     runner = engine.executor.worker.model_runner
     wrapped = [(engine.scheduler, "schedule"), (engine.scheduler, "update_from_output", "update"),
                (engine.executor, "execute_model", "execute"), (engine, "step"),
-               (runner, "_prepare_inputs", "prepare"), (runner, "_run_model", "forward"), (runner, "sampler", "sample"),
+               (runner, "prepare_inputs", "prepare"), (runner, "run_model", "forward"), (runner, "sample"),
                (DeviceStepOutput, "get_output")]
     saved = []
     for obj, method, *name in wrapped:
@@ -103,7 +103,7 @@ def triton_compilations() -> int:
     one waits for the compiler (start-up should have compiled them all)."""
     from triton.runtime.jit import JITFunction
 
-    from micro_vllm.attention.operators import triton_attn
+    from micro_vllm.attention.backends import triton_attn
     from micro_vllm.layers import triton_ops
     from micro_vllm.sampling import triton_sampler
 

@@ -28,8 +28,8 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
-from micro_vllm.attention.operators import triton_attn  # noqa: E402
+from micro_vllm.attention.backends import triton_attn  # noqa: E402
+from micro_vllm.attention.backends.abstract import CommonAttentionMetadata  # noqa: E402
 from micro_vllm.layers import triton_ops  # noqa: E402
 from micro_vllm.sampling import triton_sampler  # noqa: E402
 
@@ -108,12 +108,14 @@ def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_s
         num_reqs, num_tokens = len(query_lens), sum(query_lens)
         seq_lens = torch.tensor([n + 40 for n in query_lens], dtype=torch.int32)
         query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
-        metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
-            query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
-            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+        metadata = triton_attn.TritonAttentionMetadata(
+            CommonAttentionMetadata(
+                num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+                query_start_loc=query_start_loc, seq_lens=seq_lens,
+                block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
+                slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+                query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+            ),
             # Decode steps come ordered from the runner (longest context first).
             decode_order=torch.arange(num_reqs, dtype=torch.int32) if max(query_lens) == 1 else None,
         )

@@ -2,10 +2,12 @@
 starts, and the engine stays usable."""
 
 import json
+import sys
 
 import pytest
 
 from micro_vllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from micro_vllm.attention.backends.registry import backends_supporting
 from tiny_models import VOCAB_SIZE, make_tiny_model
 
 
@@ -124,6 +126,29 @@ def test_unknown_attention_backend(tmp_path):
     path = make_tiny_model("llama", tmp_path)
     with pytest.raises(ValueError, match=r"attention_backend='flash' .*reference.*sdpa"):
         LLM(model=str(path), device="cpu", attention_backend="flash")
+
+
+def _unimportable(monkeypatch, module: str) -> None:
+    """Make ``module`` fail to import, and the triton backend's module import afresh."""
+    monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.delitem(sys.modules, "micro_vllm.attention.backends.triton_attn", raising=False)
+
+
+def test_a_backend_whose_dependency_is_missing_is_refused_by_name(tmp_path, monkeypatch):
+    _unimportable(monkeypatch, "triton")
+    assert backends_supporting(64) == ["reference", "sdpa"]
+    path = make_tiny_model("llama", tmp_path)
+    with pytest.raises(ValueError, match=r"attention_backend='triton' needs the module 'triton', which is not "
+                                         r"installed; install it or choose one of \['reference', 'sdpa'\]"):
+        LLM(model=str(path), device="cpu", attention_backend="triton")
+
+
+def test_a_broken_backend_module_fails_loudly(monkeypatch):
+    """Triton is installed but the backend cannot import a part of it: an error, not "unsupported"."""
+    pytest.importorskip("triton")
+    _unimportable(monkeypatch, "triton.language")
+    with pytest.raises(ModuleNotFoundError, match="triton.language"):
+        backends_supporting(64)
 
 
 def test_request_that_can_never_fit_in_the_cache(tmp_path):

@@ -111,11 +111,11 @@ def stage_target(llm: LLM, stage: str):
     return {
         "schedule": (engine.scheduler, "schedule"),
         "allocate_slots": (engine.scheduler.kv_cache_manager, "allocate_slots"),  # in the middle of a plan
-        "update_states": (runner, "_update_states"),  # before the runner applied the plan
-        "prepare_inputs": (runner, "_prepare_inputs"),
+        "update_states": (runner, "update_states"),  # before the runner applied the plan
+        "prepare_inputs": (runner, "prepare_inputs"),
         "layer_0": (runner.model.model.layers[0], "forward"),
         "layer_1": (runner.model.model.layers[1], "forward"),
-        "sampler": (runner, "sampler"),
+        "sampler": (runner, "sample"),
         "get_output": (DeviceStepOutput, "get_output"),
         "update_from_output": (engine.scheduler, "update_from_output"),
         "make_output": (engine, "_make_output"),  # detokenization
@@ -172,7 +172,7 @@ def test_steps_that_fail_before_the_runner_applies_the_plan_leave_no_rows(model_
     runner = llm.engine.executor.worker.model_runner
     for _ in range(2 * SETTINGS["max_num_seqs"] + 1):
         with pytest.MonkeyPatch.context() as patch:
-            inject(patch, runner, "_update_states", 1, RuntimeError)
+            inject(patch, runner, "update_states", 1, RuntimeError)
             with pytest.raises(RuntimeError, match="injected"):
                 llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         check_nothing_left(llm)

@@ -23,12 +23,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import bind_backend, layer_metadata, make_tiny_model
 
 pytest.importorskip("triton")
 
 from micro_vllm import LLM, SamplingParams  # noqa: E402
-from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
+from micro_vllm.attention.backends.abstract import CommonAttentionMetadata  # noqa: E402
 from micro_vllm.config import CUSTOM_OPS  # noqa: E402
 from micro_vllm import triton_utils  # noqa: E402
 from micro_vllm.layers import custom_op, triton_ops  # noqa: E402
@@ -364,12 +364,12 @@ class TestCuda:
 
     def test_tiny_qwen3_forward(self, tmp_path) -> None:
         path = make_tiny_model("qwen3", tmp_path)
-        model = load_model(path, load_hf_config(path), torch.bfloat16, torch.device("cuda"), "sdpa", set(CUSTOM_OPS))
+        model = bind_backend(load_model(path, load_hf_config(path), torch.bfloat16, torch.device("cuda"), set(CUSTOM_OPS)), "sdpa")
         num_tokens, block_size = 40, 16
         slots = torch.arange(block_size, block_size + num_tokens, device="cuda")  # blocks 1, 2 and 3
         query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
         seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
-        metadata = AttentionMetadata(
+        common = CommonAttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
@@ -389,8 +389,7 @@ class TestCuda:
                 shape = (2, 4, block_size, spec.num_kv_heads, spec.head_size)
                 attn.kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
             with torch.inference_mode():
-                layers = len(model.attention_layers())
-                return model.compute_logits(model(input_ids, positions, [metadata] * layers))
+                return model.compute_logits(model(input_ids, positions, layer_metadata(model, common, block_size)))
 
         fused = forward()
         set_custom_ops(model, set())

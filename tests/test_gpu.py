@@ -218,7 +218,7 @@ def test_benchmark_model_runs_with_default_settings(tmp_path):
         assert settings.device.type == "cuda"
         assert settings.dtype == torch.bfloat16
         assert settings.attention_backend == "triton"
-        assert runner.cuda_graphs, "CUDA graphs are on by default on CUDA"
+        assert runner.cuda_graphs.graphs, "CUDA graphs are on by default on CUDA"
 
         _, total = torch.cuda.mem_get_info()
         kv_bytes = llm.engine.num_blocks * runner.kv_cache_bytes_per_block()
@@ -351,7 +351,7 @@ class GraphReplays:
         self.runner = runner
         self.replays: list[tuple[int, int]] = []
         self._num_reqs = 0
-        self._saved_graphs = dict(runner.cuda_graphs)
+        self._saved_graphs = dict(runner.cuda_graphs.graphs)
         execute = runner.execute_model
 
         def noting_execute(plan):
@@ -360,7 +360,7 @@ class GraphReplays:
 
         runner.execute_model = noting_execute
         for size, (graph, output) in self._saved_graphs.items():
-            runner.cuda_graphs[size] = (self._Counting(graph, size, self), output)
+            runner.cuda_graphs.graphs[size] = (self._Counting(graph, size, self), output)
 
     class _Counting:
         def __init__(self, graph, size: int, owner: GraphReplays) -> None:
@@ -372,8 +372,8 @@ class GraphReplays:
 
     def restore(self) -> None:
         del self.runner.execute_model  # the instance attribute; the method shows through again
-        self.runner.cuda_graphs.clear()
-        self.runner.cuda_graphs.update(self._saved_graphs)
+        self.runner.cuda_graphs.graphs.clear()
+        self.runner.cuda_graphs.graphs.update(self._saved_graphs)
 
 
 # 33 requests that finish at different times, so decode batches shrink from 33 to 1 through
@@ -394,15 +394,15 @@ def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, bf16_engine):
     with contextlib.ExitStack() as stack:
         graphs = bf16_engine(family) if shared else stack.enter_context(engine(model_dirs[family], dtype=dtype))
         runner = runner_of(graphs)
-        assert runner.cuda_graphs, "no CUDA graphs were captured with enforce_eager=False on CUDA"
-        assert min(runner.cuda_graphs) == 1 and max(runner.cuda_graphs) == 64  # up to max_num_seqs
+        assert runner.cuda_graphs.graphs, "no CUDA graphs were captured with enforce_eager=False on CUDA"
+        assert min(runner.cuda_graphs.graphs) == 1 and max(runner.cuda_graphs.graphs) == 64  # up to max_num_seqs
         replays = GraphReplays(runner)
         try:
             with_graphs = token_ids(graphs.generate(GRAPH_PROMPTS, params, use_tqdm=False))
         finally:
             replays.restore()
     with engine(model_dirs[family], dtype=dtype, enforce_eager=True) as eager:
-        assert not runner_of(eager).cuda_graphs
+        assert not runner_of(eager).cuda_graphs.graphs
         without = token_ids(eager.generate(GRAPH_PROMPTS, params, use_tqdm=False))
 
     assert [len(t) for t in with_graphs] == GRAPH_MAX_TOKENS

@@ -1,18 +1,26 @@
 """Pieces of the ModelRunner that run on CUDA, exercised on CPU: the step buffers' copy (on CPU a
-StagedBuffer's host and device sides are one tensor, so a separate twin stands in for the device
-side) and the profiling step."""
+CpuGpuBuffer's host and device sides are one tensor, so a separate twin stands in for the device
+side), the start-up steps, a decode step padded to a CUDA graph's size, and when fetched tokens reach
+the persistent batch."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from micro_vllm import LLM, SamplingParams
-from micro_vllm.worker.model_runner import StagedBuffer, profile_query_lens
+from micro_vllm.attention.attention import Attention
+from micro_vllm.attention.backends.registry import get_backend_cls
+from micro_vllm.core.kv_cache_manager import make_kv_cache_groups
+from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.worker.cuda_graphs import pad_decode_batch
+from micro_vllm.worker.dummy_run import profile_query_lens, profile_run, warm_up
+from micro_vllm.worker.input_buffers import InputBuffers
 from tiny_models import make_tiny_model
 
 
-def _with_separate_twin(*shape: int) -> StagedBuffer:
-    buffer = StagedBuffer(shape, torch.int32, torch.device("cpu"))
+def _with_separate_twin(*shape: int) -> CpuGpuBuffer:
+    buffer = CpuGpuBuffer(shape, torch.int32, torch.device("cpu"))
     buffer.device = torch.full(shape, -1, dtype=torch.int32)
     return buffer
 
@@ -54,12 +62,60 @@ def test_start_up_steps_run_on_cpu_and_write_no_kv(tmp_path):
         for layer in layers:
             layer.kv_cache.normal_()
         caches = [layer.kv_cache.clone() for layer in layers]
-        runner.warm_up()
+        warm_up(runner)
         assert all(torch.equal(layer.kv_cache, cache) for layer, cache in zip(layers, caches))
-        runner.profile_run()
+        profile_run(runner)
         assert all(layer.kv_cache.numel() == 0 for layer in layers)  # as before the cache is sized
         for layer, cache in zip(layers, caches):
             layer.kv_cache = cache
             cache[:, 0].zero_()  # the null block
         output = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
         assert len(output[0].output_token_ids) == 2
+
+
+def test_fetched_tokens_reach_the_persistent_batch_at_the_next_step(tmp_path):
+    """``get_output`` only returns a step's tokens; the runner writes them into its persistent batch
+    when it launches its next step, where the request's row is then (another request left meanwhile,
+    so rows moved)."""
+    path = make_tiny_model("qwen3", tmp_path)
+    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
+        engine = llm.engine
+        runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 5)]
+        for i, (prompt, p) in enumerate(zip(([1, 2, 3], [4, 5, 6, 7]), params)):
+            engine.add_request(engine.make_request(str(i), prompt, p))
+        output = runner.execute_model(scheduler.schedule()).get_output()
+        batch = runner.input_batch
+        row = batch.row_of["1"]
+        assert batch.token_ids[row, 4] != output.sampled_token_ids[1][0]  # fetched, not yet applied
+        scheduler.update_from_output(output)  # request "0" is done: the next plan drops its row
+        runner.execute_model(scheduler.schedule())
+        assert batch.row_of["1"] != row
+        assert batch.token_ids[batch.row_of["1"], 4] == output.sampled_token_ids[1][0]
+
+
+def test_a_decode_step_padded_to_a_graph_size_stages_dummies_that_write_nowhere():
+    """Two decodes padded to a captured batch of 4: the rows past them, stale from a larger step, are
+    staged as decodes of one token over the null block with no slot, and the Triton builder orders
+    them after the real requests (longest context first)."""
+    pytest.importorskip("triton")
+    layers = [Attention(num_heads=4, head_size=16, num_kv_heads=2, scale=0.25)]
+    groups = make_kv_cache_groups([layer.spec for layer in layers])
+    buffers = InputBuffers(layers, get_backend_cls("triton")(), groups, max_num_reqs=8, max_num_tokens=8,
+                           max_model_len=64, block_size=16, device=torch.device("cpu"))
+    [block_table], [slot_mapping] = buffers.block_tables, buffers.slot_mappings
+    buffers.seq_lens.np[:] = 50
+    slot_mapping.np[:] = 7
+    block_table.np[:] = 9
+    buffers.query_start_loc.np[:3] = [0, 1, 2]
+    buffers.seq_lens.np[:2] = [5, 30]
+    slot_mapping.np[:2] = [4 + 16, 13 + 32]
+    pad_decode_batch(buffers, 2, 4)
+    [metadata] = buffers.attention_metadata(4, 4, max_query_len=1, max_seq_len=30, num_cols=2)
+    common = metadata.common
+    assert common.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert common.seq_lens.tolist() == [5, 30, 1, 1]
+    assert common.slot_mapping.tolist() == [20, 45, -1, -1]
+    assert common.block_table[2:, 0].tolist() == [0, 0]
+    assert buffers.input_ids.np[2:4].tolist() == [0, 0] and buffers.positions.np[2:4].tolist() == [0, 0]
+    assert metadata.decode_order.tolist() == [1, 0, 2, 3]

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from tiny_models import FAMILIES, load_hf_reference, make_tiny_model, tiny_config
+from tiny_models import FAMILIES, bind_backend, layer_metadata, load_hf_reference, make_tiny_model, tiny_config
 
 from micro_vllm import LLM, SamplingParams
-from micro_vllm.attention.attention import AttentionMetadata
+from micro_vllm.attention.backends.abstract import CommonAttentionMetadata
 from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.layers.norm import RMSNorm
 from micro_vllm.layers.rotary import (
@@ -75,7 +75,7 @@ class PagedRun:
             self.num_computed[i] += len(chunk)
         query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        metadata = AttentionMetadata(
+        common = CommonAttentionMetadata(
             num_actual_tokens=len(ids),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
@@ -86,9 +86,9 @@ class PagedRun:
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens_t,
         )
-        num_layers = len(self.model.attention_layers())
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), [metadata] * num_layers)
+            metadata = layer_metadata(self.model, common, self.block_size)
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), metadata)
             logits = self.model.compute_logits(hidden)
         return list(logits.split(query_lens))
 
@@ -99,7 +99,7 @@ def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
 
 
 def load_ours(path: Path, backend: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return load_model(path, load_hf_config(path), dtype, torch.device("cpu"), backend)
+    return bind_backend(load_model(path, load_hf_config(path), dtype, torch.device("cpu")), backend)
 
 
 # The triton kernels run under Triton's CPU interpreter, slowly: one prefill per family, no decodes.

@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
-from micro_vllm.attention.operators import sdpa
-from micro_vllm.attention.operators.registry import get_backend
+from micro_vllm.attention.backends import sdpa
+from micro_vllm.attention.backends.registry import get_backend_cls
+from micro_vllm.attention.spec import AttentionSpec
 from test_triton_attention import make_batch, random_requests, rng  # noqa: F401 (rng: a fixture)
 
 # (num_heads, num_kv_heads, head_size, block_size, sliding_window)
@@ -25,13 +26,22 @@ SHAPES = [
 ]
 
 
+def sdpa_metadata(batch, window) -> sdpa.SdpaMetadata:
+    """The step's metadata as the builder of a KV cache group with ``window`` builds it."""
+    num_heads = batch.query.shape[1]
+    _, _, block_size, num_kv_heads, head_size = batch.kv_cache.shape
+    builder = sdpa.SdpaMetadataBuilder(AttentionSpec(num_kv_heads, head_size, window), num_heads, block_size,
+                                       batch.metadata.common.num_reqs, batch.query.device)
+    return builder.build(batch.metadata.common)
+
+
 def check_sdpa_against_reference(batch, window) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    expected = get_backend("reference").forward(batch.query, batch.clean_cache, batch.metadata, scale=scale,
-                                                sliding_window=window)
-    out = get_backend("sdpa").forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
-                                      sliding_window=window)
-    n = batch.metadata.num_actual_tokens
+    expected = get_backend_cls("reference")().forward(batch.query, batch.clean_cache, batch.metadata, scale=scale,
+                                                      sliding_window=window)
+    out = get_backend_cls("sdpa")().forward(batch.query, batch.kv_cache, sdpa_metadata(batch, window), scale=scale,
+                                            sliding_window=window)
+    n = batch.metadata.common.num_actual_tokens
     assert not out[:n].isnan().any(), "NaN in the output: sdpa read a slot outside a request's context"
     torch.testing.assert_close(out[:n], expected[:n], atol=2e-5, rtol=2e-5)
 
@@ -48,8 +58,8 @@ def test_batched_forward_matches_reference(rng: random.Random, shape, mix) -> No
     check_sdpa_against_reference(batch, window)
 
 
-def test_layers_share_the_step_layout_per_window(rng: random.Random) -> None:  # noqa: F811
-    """The gather indices and masks are built once per step and window, not once per layer."""
+def test_layers_share_the_step_layout_built_once(rng: random.Random) -> None:  # noqa: F811
+    """The gather indices and masks are built once per step by the group's builder, not once per layer."""
     batch = make_batch(rng, [(1, 9), (4, 0), (1, 30)], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
                        dtype=torch.float32, device="cpu")
     built = []
@@ -59,9 +69,10 @@ def test_layers_share_the_step_layout_per_window(rng: random.Random) -> None:  #
         built.append(args[3])  # the window
         return original(*args, **kwargs)
 
-    backend = get_backend("sdpa")
+    backend = get_backend_cls("sdpa")()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sdpa, "padded_batch", counting)
-        for window in (None, None, 6, None, 6):
-            backend.forward(batch.query, batch.clean_cache, batch.metadata, scale=0.25, sliding_window=window)
-    assert built == [None, None, 6, 6]  # the decodes and the chunk, once for each window
+        metadata = sdpa_metadata(batch, 6)
+        for _ in range(3):  # the group's layers
+            backend.forward(batch.query, batch.clean_cache, metadata, scale=0.25, sliding_window=6)
+    assert built == [6, 6]  # the decodes and the chunk, once

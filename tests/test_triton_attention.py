@@ -19,10 +19,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from micro_vllm.attention.attention import AttentionMetadata  # noqa: E402
-from micro_vllm.attention.operators import triton_attn  # noqa: E402
-from micro_vllm.attention.operators.reference import write_kv_to_cache  # noqa: E402
-from micro_vllm.attention.operators.registry import get_backend  # noqa: E402
+from micro_vllm.attention.backends import triton_attn  # noqa: E402
+from micro_vllm.attention.backends.abstract import AttentionMetadata, CommonAttentionMetadata  # noqa: E402
+from micro_vllm.attention.backends.reference import write_kv_to_cache  # noqa: E402
+from micro_vllm.attention.backends.registry import get_backend_cls  # noqa: E402
+from micro_vllm.attention.spec import AttentionSpec  # noqa: E402
 from micro_vllm.worker.worker import resolve_attention_backend  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -50,7 +51,7 @@ class Batch:
     query: torch.Tensor  # [num_actual + padding, H, D]
     kv_cache: torch.Tensor  # poisoned where nothing may be read
     clean_cache: torch.Tensor  # same data without poison, for the reference
-    metadata: AttentionMetadata
+    metadata: triton_attn.TritonAttentionMetadata  # in request order (no decode_order)
 
 
 def make_batch(
@@ -96,7 +97,7 @@ def make_batch(
             slots.append(int(block_table[i, pos // block_size]) * block_size + pos % block_size)
     slot_mapping = torch.tensor(slots + [-1] * num_pad_tokens, dtype=torch.int64)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    metadata = AttentionMetadata(
+    common = CommonAttentionMetadata(
         num_actual_tokens=num_actual,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
@@ -108,20 +109,20 @@ def make_batch(
         seq_lens_cpu=seq_lens_t,
     )
     query = torch.randn(num_actual + num_pad_tokens, num_heads, head_size).to(dtype)
-    return Batch(query.to(device), poisoned.to(device), cache.to(device), metadata)
+    return Batch(query.to(device), poisoned.to(device), cache.to(device), triton_attn.TritonAttentionMetadata(common))
 
 
 def check_against_reference(batch: Batch, sliding_window: int | None) -> None:
     head_size = batch.query.shape[-1]
     scale = head_size**-0.5
-    expected = get_backend("reference").forward(
+    expected = get_backend_cls("reference")().forward(
         batch.query, batch.clean_cache, batch.metadata, scale=scale, sliding_window=sliding_window
     )
-    out = get_backend("triton").forward(
+    out = get_backend_cls("triton")().forward(
         batch.query, batch.kv_cache, batch.metadata, scale=scale, sliding_window=sliding_window
     )
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
-    n = batch.metadata.num_actual_tokens
+    n = batch.metadata.common.num_actual_tokens
     out, expected = out[:n].float(), expected[:n].float()
     atol, rtol, rel_norm = TOLERANCE[batch.query.dtype]
     assert not out.isnan().any(), "NaN in the output: the kernel read a poisoned (forbidden) slot"
@@ -132,7 +133,7 @@ def check_against_reference(batch: Batch, sliding_window: int | None) -> None:
 def backend_reference(
     query: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    return get_backend("reference").forward(query, cache, md, scale=scale, sliding_window=None)
+    return get_backend_cls("reference")().forward(query, cache, md, scale=scale, sliding_window=None)
 
 
 def random_requests(
@@ -230,15 +231,29 @@ def test_decode_order_changes_only_the_programs_order(rng: random.Random, monkey
     batch = make_batch(rng, requests, num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
                        dtype=torch.float32, num_pad_tokens=2)
     scale = 16**-0.5
-    in_order = get_backend("triton").forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
+    in_order = get_backend_cls("triton")().forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
                                              sliding_window=None)
-    order = torch.argsort(-batch.metadata.seq_lens.long(), stable=True).to(torch.int32)
+    order = torch.argsort(-batch.metadata.common.seq_lens.long(), stable=True).to(torch.int32)
     batch.metadata.decode_order = order
     check_against_reference(batch, None)
-    ordered = get_backend("triton").forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
+    ordered = get_backend_cls("triton")().forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
                                             sliding_window=None)
-    n = batch.metadata.num_actual_tokens
+    n = batch.metadata.common.num_actual_tokens
     assert torch.equal(ordered[:n], in_order[:n])
+
+
+def test_the_builder_orders_decode_steps_longest_context_first(rng: random.Random) -> None:
+    """The builder gives a decode step its order, longest context first, in a buffer of its own at a
+    fixed address (a captured graph reads it); a step with a longer query gets none."""
+    spec = AttentionSpec(num_kv_heads=2, head_size=16)
+    builder = triton_attn.TritonAttentionMetadataBuilder(spec, 4, 16, 8, torch.device(DEVICE))
+    shape = dict(num_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32)
+    decodes = make_batch(rng, [(1, context) for context in (5, 40, 5, 17)], **shape)
+    order = builder.build(decodes.metadata.common).decode_order
+    assert order.tolist() == [1, 3, 0, 2]  # ties keep request order
+    assert order.data_ptr() == builder.decode_order.device.data_ptr()
+    mixed = make_batch(rng, [(1, 5), (3, 0)], **shape)
+    assert builder.build(mixed.metadata.common).decode_order is None
 
 
 def test_long_chunk_spans_many_query_blocks(rng: random.Random) -> None:
@@ -257,7 +272,8 @@ def test_step_too_long_for_the_grid_is_refused(rng: random.Random, monkeypatch) 
                        dtype=torch.float32)
     monkeypatch.setattr(triton_attn, "_MAX_GRID_Y", 2)
     with pytest.raises(ValueError, match="a step of 71 tokens needs 4 query blocks; at most 2"):
-        get_backend("triton").forward(batch.query, batch.kv_cache, batch.metadata, scale=0.25, sliding_window=None)
+        get_backend_cls("triton")().forward(batch.query, batch.kv_cache, batch.metadata, scale=0.25,
+                                            sliding_window=None)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3])
@@ -312,7 +328,7 @@ def test_head_size_not_a_power_of_two(rng: random.Random, monkeypatch, head_size
 
 
 def test_head_size_above_256_is_refused(rng: random.Random) -> None:
-    backend = get_backend("triton")
+    backend = get_backend_cls("triton")()
     assert backend.supports_head_size(256) and not backend.supports_head_size(272)
     batch = make_batch(rng, [(3, 0)], num_heads=2, num_kv_heads=1, head_size=272, block_size=16,
                        dtype=torch.float32)
@@ -333,18 +349,18 @@ def check_write_and_attend(batch: Batch, window: int | None) -> None:
     num_tokens = batch.query.shape[0]
     new_kv = torch.randn(2, num_tokens, num_kv_heads, head_size, device=DEVICE)
     expected_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
-    write_kv_to_cache(new_kv[0], new_kv[1], expected_cache, batch.metadata.slot_mapping)
-    expected = get_backend("reference").write_and_attend(
+    write_kv_to_cache(new_kv[0], new_kv[1], expected_cache, batch.metadata.common.slot_mapping)
+    expected = get_backend_cls("reference")().write_and_attend(
         batch.query, *new_kv, batch.clean_cache.clone(), batch.metadata, scale=0.25, sliding_window=window
     )
     with pytest.MonkeyPatch.context() as patch:
-        if batch.metadata.max_query_len == 1:
+        if batch.metadata.common.max_query_len == 1:
             patch.setattr(triton_attn, "_write_kv_kernel", NoWriteLaunch())
-        out = get_backend("triton").write_and_attend(
+        out = get_backend_cls("triton")().write_and_attend(
             batch.query, *new_kv, cache, batch.metadata, scale=0.25, sliding_window=window
         )
     torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0, equal_nan=True)
-    n = batch.metadata.num_actual_tokens
+    n = batch.metadata.common.num_actual_tokens
     torch.testing.assert_close(out[:n], expected[:n], atol=2e-4, rtol=2e-4)
 
 
@@ -364,7 +380,7 @@ def test_write_kv_matches_reference(rng: random.Random, dtype: torch.dtype) -> N
     expected = cache.clone()
     write_kv_to_cache(key, value, expected, slot_mapping)
     # Rows past slot_mapping (key has two more) must not be written anywhere.
-    get_backend("triton").write_kv(key, value, cache, slot_mapping)
+    get_backend_cls("triton")().write_kv(key, value, cache, slot_mapping)
     assert torch.equal(cache, expected)
 
 
@@ -421,7 +437,7 @@ class TestOnGpu:
         # only on num_reqs and the padded token count, never on seq_lens or max_seq_len.
         kwargs = dict(num_heads=16, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
         batch = make_batch(rng, [(1, 1800)] * num_reqs, num_pad_tokens=4, **kwargs)
-        backend, md, scale = get_backend("triton"), batch.metadata, 128**-0.5
+        backend, md, scale = get_backend_cls("triton")(), batch.metadata, 128**-0.5
         query = batch.query
         backend.forward(query, batch.kv_cache, md, scale=scale, sliding_window=None)  # compile outside
         torch.cuda.synchronize()
@@ -430,13 +446,13 @@ class TestOnGpu:
             graph_out = backend.forward(query, batch.kv_cache, md, scale=scale, sliding_window=None)
         for _ in range(3):
             new_lens = torch.tensor([rng.randint(1, 1801) for _ in range(num_reqs)], dtype=torch.int32)
-            md.seq_lens.copy_(new_lens)
-            md.seq_lens_cpu.copy_(new_lens)
+            md.common.seq_lens.copy_(new_lens)
+            md.common.seq_lens_cpu.copy_(new_lens)
             query.copy_(torch.randn_like(query))
             graph.replay()
             eager = backend.forward(query, batch.kv_cache, md, scale=scale, sliding_window=None)
             expected = backend_reference(query, batch.clean_cache, md, scale)
-            n = md.num_actual_tokens
+            n = md.common.num_actual_tokens
             assert torch.equal(graph_out[:n], eager[:n])
             torch.testing.assert_close(graph_out[:n].float(), expected[:n].float(), atol=3e-2, rtol=3e-2)
 
@@ -449,5 +465,5 @@ class TestOnGpu:
         cache = torch.randn(2, num_blocks, block_size, 8, 128, device="cuda", dtype=torch.bfloat16)
         expected = cache.clone()
         write_kv_to_cache(key, value, expected, slots)
-        get_backend("triton").write_kv(key, value, cache, slots)
+        get_backend_cls("triton")().write_kv(key, value, cache, slots)
         assert torch.equal(cache, expected)

@@ -5,6 +5,7 @@ small vocabularies; small chunk sizes make a few tokens span several chunks."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,10 +139,10 @@ def test_a_row_draws_the_same_token_beside_filtered_rows():
     temperature = torch.rand(17) + 0.5
     temperature[4] = 0.0
     seeds = torch.arange(17, dtype=torch.int64) * 104729 + 5
-    direct = Sampler()(logits, _kernel_metadata(temperature, seeds))
+    direct = Sampler(use_triton=True)(logits, _kernel_metadata(temperature, seeds))
     top_k = torch.zeros(17, dtype=torch.int32)
     top_k[16] = 5
-    filtered = Sampler()(logits, _kernel_metadata(temperature, seeds, top_k=top_k))
+    filtered = Sampler(use_triton=True)(logits, _kernel_metadata(temperature, seeds, top_k=top_k))
     assert filtered[:16].tolist() == direct[:16].tolist()
     assert direct[4].item() == logits[4].float().argmax().item()
     assert filtered[16].item() in logits[16].float().topk(5).indices.tolist()
@@ -154,20 +155,39 @@ def test_filtered_rows_follow_the_truncated_softmax():
     row = torch.linspace(-4.0, 4.0, vocab)
     metadata = _kernel_metadata(torch.full((draws,), temperature), torch.arange(draws, dtype=torch.int64) * 7919,
                                 top_k=torch.full((draws,), 4, dtype=torch.int32))
-    counts = torch.bincount(Sampler()(row.repeat(draws, 1), metadata), minlength=vocab).double()
+    counts = torch.bincount(Sampler(use_triton=True)(row.repeat(draws, 1), metadata), minlength=vocab).double()
     assert counts[:-4].sum() == 0
     assert_follows(counts, row, temperature, top_k=4)
 
 
-def test_the_runner_path_keeps_seeded_requests_independent_of_the_batch(tmp_path, monkeypatch):
+def test_the_sampler_turns_row_seeds_into_what_its_route_draws_with():
+    """The runner hands over each seeded row's seed: the Triton route gets a Philox seed for every row
+    (the unseeded ones from the engine's stream), the PyTorch route a generator per seeded row; a
+    greedy batch needs neither."""
+    def metadata(greedy: bool = False) -> SamplingMetadata:
+        return SamplingMetadata(torch.full((4,), 0.0 if greedy else 1.0), None, None, all_greedy=greedy,
+                                all_random=not greedy)
+
+    triton_route = Sampler(True, seed=7, max_num_reqs=4)
+    drawn = metadata()
+    triton_route.add_row_seeds(drawn, {1: 123, 3: 456})
+    stream = np.random.default_rng(7).integers(0, 2**63 - 1, 4).tolist()
+    assert drawn.seeds.tolist() == [stream[0], 123, stream[2], 456] and not drawn.generators
+    greedy = metadata(greedy=True)
+    triton_route.add_row_seeds(greedy, {})
+    assert greedy.seeds is None
+    torch_route = Sampler(False, seed=7)
+    drawn = metadata()
+    torch_route.add_row_seeds(drawn, {1: 123})
+    assert drawn.seeds is None and list(drawn.generators) == [1] and drawn.generators[1].initial_seed() == 123
+
+
+def test_the_runner_path_keeps_seeded_requests_independent_of_the_batch(tmp_path):
     """Through LLM with the kernel path forced on CPU: a seeded request draws the same tokens alone
     and in a crowd, greedy rows stay greedy beside sampled ones, and the engine seed fixes the rest."""
     from micro_vllm import LLM, SamplingParams
-    from micro_vllm.worker import model_runner
     from tiny_models import make_tiny_model
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_takes_sampler_kernel",
-                        lambda self, metadata: not metadata.all_greedy)
     path = make_tiny_model("qwen3", tmp_path)
     prompts = [[5, 6, 7, 8], [9] * 11, [3, 1, 4, 1, 5, 9, 2, 6], [42]]
     seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
@@ -175,7 +195,7 @@ def test_the_runner_path_keeps_seeded_requests_independent_of_the_batch(tmp_path
     unseeded = SamplingParams(max_tokens=10, temperature=0.8, ignore_eos=True)
     runs = []
     for _ in range(2):
-        with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
+        with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4, custom_ops=["+sampler"]) as llm:
             alone = llm.generate([prompts[2]], seeded, use_tqdm=False)[0].output_token_ids
             greedy_alone = llm.generate([prompts[0]], greedy, use_tqdm=False)[0].output_token_ids
             crowd = llm.generate(prompts, [greedy, unseeded, seeded, unseeded], use_tqdm=False)

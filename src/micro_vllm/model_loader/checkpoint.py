@@ -58,7 +58,6 @@ def load_model(
     hf_config: PretrainedConfig,
     dtype: torch.dtype,
     device: torch.device,
-    attention_backend: str,
     custom_ops: frozenset[str] = frozenset(),
 ) -> nn.Module:
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``path``; the
@@ -66,7 +65,7 @@ def load_model(
     model_class = get_model_class(hf_config)
     files = safetensors_files(Path(path))
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(hf_config, attention_backend)
+        model = model_class(hf_config)
     set_custom_ops(model, custom_ops)
     checkpoint_names: dict[str, Path] = {}  # each tensor read so far -> its file, in reading order
     try:

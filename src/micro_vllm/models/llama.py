@@ -15,15 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from micro_vllm.attention.attention import Attention, AttentionMetadata
+from micro_vllm.attention.attention import Attention
+from micro_vllm.attention.backends.abstract import AttentionMetadata
 from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.layers.linear import MergedLinear
 from micro_vllm.layers.norm import QKNorm, RMSNorm
 from micro_vllm.layers.rotary import RotaryEmbedding
-
-
-def head_size_of(hf_config: PretrainedConfig) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+from micro_vllm.models.utils import head_size_of
 
 
 class LlamaMLP(nn.Module):
@@ -46,7 +44,6 @@ class LlamaAttention(nn.Module):
         self,
         hf_config: PretrainedConfig,
         rotary_emb: RotaryEmbedding,
-        attention_backend: str,
         sliding_window: int | None,
         qk_norm: bool,
         biases: tuple[bool, bool],
@@ -65,9 +62,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.qk_norm = QKNorm(self.q_norm, self.k_norm) if qk_norm else None  # applies the two above
         self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            num_heads, self.head_size, num_kv_heads, self.head_size**-0.5, attention_backend, sliding_window
-        )
+        self.attn = Attention(num_heads, self.head_size, num_kv_heads, self.head_size**-0.5, sliding_window)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
@@ -84,16 +79,13 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hf_config: PretrainedConfig,
         rotary_emb: RotaryEmbedding,
-        attention_backend: str,
         sliding_window: int | None,
         qk_norm: bool,
         attention_biases: tuple[bool, bool],
     ) -> None:
         super().__init__()
         hidden_size, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(
-            hf_config, rotary_emb, attention_backend, sliding_window, qk_norm, attention_biases
-        )
+        self.self_attn = LlamaAttention(hf_config, rotary_emb, sliding_window, qk_norm, attention_biases)
         mlp_bias = getattr(hf_config, "mlp_bias", False)
         self.mlp = LlamaMLP(hidden_size, hf_config.intermediate_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(hidden_size, eps)
@@ -121,7 +113,6 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         hf_config: PretrainedConfig,
-        attention_backend: str,
         sliding_windows: list[int | None],
         qk_norm: bool,
         attention_biases: tuple[bool, bool],
@@ -130,7 +121,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.rotary_emb = RotaryEmbedding.from_hf_config(hf_config, head_size_of(hf_config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, self.rotary_emb, attention_backend, window, qk_norm, attention_biases)
+            LlamaDecoderLayer(hf_config, self.rotary_emb, window, qk_norm, attention_biases)
             for window in sliding_windows
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -168,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(hf_config, "attention_bias", False)
         return bias, bias
 
-    def __init__(self, hf_config: PretrainedConfig, attention_backend: str) -> None:
+    def __init__(self, hf_config: PretrainedConfig) -> None:
         super().__init__()
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
@@ -176,7 +167,6 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.model = LlamaModel(
             hf_config,
-            attention_backend,
             self.sliding_windows(hf_config),
             self.qk_norm,
             self.attention_biases(hf_config),

@@ -3,21 +3,20 @@
 Greedy rows take the argmax. Random rows are scaled by temperature, filtered by top-k / top-p, and
 drawn with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no cumulative sums and
 lets each seeded row draw its noise from its own generator, so its tokens do not depend on the batch.
-On CUDA every batch that samples draws with the Triton sampler instead (``triton_sampler.py``: a
-chunk of the vocabulary by its softmax mass, then Gumbel-max inside it, with a Philox seed per row,
-so the same independence holds); a batch with top-k / top-p rows filters the scaled logits here first.
+A Sampler built with ``use_triton`` draws every batch that samples with the Triton sampler instead
+(``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it, with
+a Philox seed per row, so the same independence holds); a batch with top-k / top-p rows filters the
+scaled logits here first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-try:
-    from micro_vllm.sampling import triton_sampler
-except ImportError:  # Triton is optional: without it no batch carries seeds for the Triton sampler
-    triton_sampler = None
+from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
 
 
 @dataclass
@@ -28,8 +27,8 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool  # no greedy row: the argmax of the raw logits is not needed
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its seeded generator
-    # int64 [n], one Philox seed per row: set when the batch draws with the Triton sampler (on CUDA),
-    # which then replaces the generators.
+    # int64 [n], one Philox seed per row: set when the batch draws with the Triton sampler, which then
+    # replaces the generators.
     seeds: torch.Tensor | None = None
 
 
@@ -48,15 +47,43 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None) -> None:
-        self.generator = generator  # for rows without a seed of their own
+    """Draws one token per row. Rows without a seed of their own draw from the engine's ``seed``:
+    through a torch generator, or with ``use_triton`` through a stream of Philox seeds, staged for at
+    most ``max_num_reqs`` rows."""
+
+    def __init__(self, use_triton: bool, seed: int = 0, device: torch.device = torch.device("cpu"),
+                 max_num_reqs: int = 0) -> None:
+        self.use_triton = use_triton
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        if use_triton:
+            from micro_vllm.sampling import triton_sampler
+
+            self.triton_sample = triton_sampler.sample
+            self.seed_stream = np.random.default_rng(seed)
+            self.seeds = CpuGpuBuffer((max_num_reqs,), torch.int64, device)
+
+    def add_row_seeds(self, metadata: SamplingMetadata, row_seeds: dict[int, int]) -> None:
+        """Give the batch's seeded rows (row -> seed) to the route that will draw them: for the Triton
+        sampler a Philox seed for every row (the others from the engine's stream), copied to the
+        device without blocking; else a torch generator per seeded row. The runner calls it while it
+        stages a step's inputs, so the copy is one of the step's copies it waits for."""
+        if self.use_triton and not metadata.all_greedy:
+            n = len(metadata.temperature)
+            seeds = self.seeds.np[:n]
+            seeds[:] = self.seed_stream.integers(0, 2**63 - 1, n)
+            seeds[list(row_seeds)] = list(row_seeds.values())
+            metadata.seeds = self.seeds.copy_to_device(n)
+        else:
+            metadata.generators = {row: torch.Generator(device=self.device).manual_seed(seed)
+                                   for row, seed in row_seeds.items()}
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
             return logits.argmax(dim=-1)
         filtered = metadata.top_k is not None or metadata.top_p is not None
         if metadata.seeds is not None and not filtered:
-            return triton_sampler.sample(logits, metadata.temperature, metadata.seeds)
+            return self.triton_sample(logits, metadata.temperature, metadata.seeds)
         logits = logits.float()  # the model's dtype; softmax and the noise want fp32
         temperature = metadata.temperature
         # Times the reciprocal, as the Triton sampler scales a row: both routes give it the same scores.
@@ -66,7 +93,7 @@ class Sampler:
         if metadata.seeds is not None:
             # Already scaled: temperature 1 keeps a row's scores, and so its draw, those of the
             # unfiltered path above (a greedy row's argmax survives any filter).
-            return triton_sampler.sample(scaled, (temperature > 0).float(), metadata.seeds)
+            return self.triton_sample(scaled, (temperature > 0).float(), metadata.seeds)
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():

@@ -6,14 +6,15 @@ import logging
 
 import torch
 
-from micro_vllm.attention.operators.registry import backends_supporting, get_backend
+from micro_vllm.attention.backends.registry import BackendUnavailableError, backends_supporting, get_backend_cls
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.layers.custom_op import resolve_custom_ops
-from micro_vllm.models.llama import head_size_of
+from micro_vllm.models.utils import head_size_of
 from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.triton_utils import check_triton_runs_on
+from micro_vllm.worker.dummy_run import profile_run
 from micro_vllm.worker.model_runner import ModelRunner, RunnerSettings
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def resolve_attention_backend(backend: str | None, device: torch.device, head_si
     """The chosen backend, which must serve the model's heads; by default triton on CUDA (when
     Triton is installed and serves them) and sdpa elsewhere."""
     if backend is not None:
-        if not get_backend(backend).supports_head_size(head_size):
+        if not get_backend_cls(backend).supports_head_size(head_size):
             raise ValueError(
                 f"attention_backend={backend!r} cannot serve this model's head size {head_size}; "
                 f"choose one of {backends_supporting(head_size)}"
@@ -56,10 +57,10 @@ def resolve_attention_backend(backend: str | None, device: torch.device, head_si
         return backend
     if device.type == "cuda":
         try:
-            import triton  # noqa: F401
-        except ImportError:
+            triton_backend = get_backend_cls("triton")
+        except BackendUnavailableError:
             return "sdpa"
-        if get_backend("triton").supports_head_size(head_size):
+        if triton_backend.supports_head_size(head_size):
             return "triton"
         logger.warning("the triton attention backend cannot serve head size %d; using sdpa", head_size)
     return "sdpa"
@@ -74,7 +75,7 @@ class Worker:
             torch.cuda.set_device(device)
         backend = resolve_attention_backend(model_config.attention_backend, device, head_size_of(hf_config))
         # Graphs need a backend that reads step sizes from the device, not from the host.
-        use_graphs = device.type == "cuda" and not model_config.enforce_eager and get_backend(backend).cuda_graph_safe
+        use_graphs = device.type == "cuda" and not model_config.enforce_eager and get_backend_cls(backend).cuda_graph_safe
         self.settings = RunnerSettings(
             device=device,
             dtype=resolve_dtype(model_config.dtype, device, hf_config),
@@ -103,7 +104,7 @@ class Worker:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            self.model_runner.profile_run()
+            profile_run(self.model_runner)
             torch.cuda.synchronize()
             activation_peak = torch.cuda.max_memory_allocated() - before
             torch.cuda.empty_cache()

@@ -47,12 +47,20 @@ import functools
 import math
 from typing import NamedTuple
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from micro_vllm.attention.attention import AttentionMetadata
-from micro_vllm.attention.operators.registry import AttentionBackend, register_backend
+from micro_vllm.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
 
 # Flash-decoding mode: at most this many splits per (request, KV head), each of at least this
 # many keys (below that, the merge costs more than the extra parallelism brings).
@@ -443,8 +451,29 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
     return _Tiles(max(64, triton.next_power_of_2(group)), 32, 4, 2, one_qblock_per_req=False)
 
 
-@register_backend("triton")
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    # int32 [num_reqs], decode steps only: the order in which the kernel starts the requests' programs
+    # (longest context first, so the long programs do not finish last); None: request order.
+    decode_order: torch.Tensor | None = None
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.decode_order = CpuGpuBuffer((self.max_num_reqs,), torch.int32, self.device)
+
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """A decode step (one token per request) gets its requests ordered longest context first."""
+        num_reqs = common.num_reqs
+        if common.num_actual_tokens != num_reqs:
+            return TritonAttentionMetadata(common)
+        self.decode_order.np[:num_reqs] = np.argsort(-common.seq_lens_cpu.numpy(), kind="stable")
+        return TritonAttentionMetadata(common, self.decode_order.copy_to_device(num_reqs))
+
+
 class TritonBackend(AttentionBackend):
+    builder_cls = TritonAttentionMetadataBuilder
     cuda_graph_safe = True  # grids depend on batch shape only; lengths are read on the device
 
     @classmethod
@@ -487,25 +516,26 @@ class TritonBackend(AttentionBackend):
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: TritonAttentionMetadata,
         *,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
         return self._attend(query, kv_cache, metadata, scale, sliding_window)
 
-    def write_and_attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, *, scale, sliding_window):
+    def write_and_attend(self, query, key, value, kv_cache, metadata: TritonAttentionMetadata, *, scale,
+                         sliding_window):
         """Decode steps store their new K/V inside the attention launch (one launch per layer fewer;
         on the H200 the separate write took 1.4 to 1.7 us per layer of a decode step). Storing it
         first and reading it back behind a barrier cost more than that at 256 requests (169.4
         against 166.0 us per launch, commit 8e3ac9d), so the new key joins from registers. Steps
         with longer queries write first: a query block reads keys that other programs write."""
-        if metadata.max_query_len != 1:
+        if metadata.common.max_query_len != 1:
             return super().write_and_attend(query, key, value, kv_cache, metadata, scale=scale,
                                             sliding_window=sliding_window)
         return self._attend(query, kv_cache, metadata, scale, sliding_window, new_kv=(key, value))
 
-    def _attend(self, query, kv_cache, metadata: AttentionMetadata, scale: float, sliding_window: int | None,
+    def _attend(self, query, kv_cache, metadata: TritonAttentionMetadata, scale: float, sliding_window: int | None,
                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
@@ -519,12 +549,13 @@ class TritonBackend(AttentionBackend):
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous for .view()
-        num_reqs = metadata.num_reqs
+        common = metadata.common
+        num_reqs = common.num_reqs
         if num_reqs == 0 or num_tokens == 0:
             return out
 
         group = num_heads // num_kv_heads
-        max_query_len = metadata.max_query_len
+        max_query_len = common.max_query_len
         tiles = _pick_tiles(max_query_len, group, head_size)
         block_q = tiles.block_m // group
         one_qblock = tiles.one_qblock_per_req
@@ -554,13 +585,13 @@ class TritonBackend(AttentionBackend):
             query,
             k_cache,
             v_cache,
-            metadata.block_table,
-            metadata.seq_lens,
-            metadata.query_start_loc,
-            order if order is not None else metadata.seq_lens,  # the latter unread
+            common.block_table,
+            common.seq_lens,
+            common.query_start_loc,
+            order if order is not None else common.seq_lens,  # the latter unread
             key,
             value,
-            metadata.slot_mapping,
+            common.slot_mapping,
             num_reqs,
             scale * math.log2(math.e),
             window,
@@ -574,7 +605,7 @@ class TritonBackend(AttentionBackend):
             k_cache.stride(0),
             k_cache.stride(1),
             k_cache.stride(2),
-            metadata.block_table.stride(0),
+            common.block_table.stride(0),
             key.stride(0),
             key.stride(1),
             value.stride(0),
@@ -601,7 +632,7 @@ class TritonBackend(AttentionBackend):
                 out,
                 partial,
                 lse,
-                metadata.query_start_loc[num_reqs:],
+                common.query_start_loc[num_reqs:],
                 out.stride(0),
                 out.stride(1),
                 partial.stride(0),

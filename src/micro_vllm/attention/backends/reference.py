@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from micro_vllm.attention.attention import AttentionMetadata
-from micro_vllm.attention.operators.registry import AttentionBackend, register_backend
+from micro_vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
 
 
 def write_kv_to_cache(
@@ -44,18 +43,18 @@ def attention_mask(query_len: int, seq_len: int, sliding_window: int | None, dev
     return mask
 
 
-@register_backend("reference")
 class ReferenceBackend(AttentionBackend):
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         write_kv_to_cache(key, value, kv_cache, slot_mapping)
 
     def forward(self, query, kv_cache, metadata: AttentionMetadata, *, scale, sliding_window):
+        common = metadata.common
         output = torch.zeros_like(query)
         num_heads = query.shape[1]
-        starts = metadata.query_start_loc_cpu.tolist()
-        for i, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
+        starts = common.query_start_loc_cpu.tolist()
+        for i, seq_len in enumerate(common.seq_lens_cpu.tolist()):
             start, end = starts[i], starts[i + 1]
-            keys, values = gather_context(kv_cache, metadata.block_table[i], seq_len)
+            keys, values = gather_context(kv_cache, common.block_table[i], seq_len)
             group = num_heads // keys.shape[1]  # query heads per KV head
             keys = keys.repeat_interleave(group, dim=1).float()
             values = values.repeat_interleave(group, dim=1).float()

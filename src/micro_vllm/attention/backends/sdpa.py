@@ -3,9 +3,9 @@
 A step's requests form two padded batches: its decodes (one query each) and its prefill chunks (padded
 to the longest chunk), so a step that mixes both does not pad every decode to a chunk's length. For
 each batch, the positions every layer reads (the flat cache slot of each request's keys, the query
-rows, the causal and sliding-window mask) are computed once per step and shared by the layers of a
-KV-cache group through ``AttentionMetadata.backend_cache``; a layer then runs one gather of its K/V
-and one attention call per batch, with no per-request Python.
+rows, the causal and sliding-window mask) are computed once per step by the KV cache group's metadata
+builder and read by the group's layers; a layer then runs one gather of its K/V and one attention call
+per batch, with no per-request Python.
 """
 
 from __future__ import annotations
@@ -15,9 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from micro_vllm.attention.attention import AttentionMetadata
-from micro_vllm.attention.operators.reference import write_kv_to_cache
-from micro_vllm.attention.operators.registry import AttentionBackend, register_backend
+from micro_vllm.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from micro_vllm.attention.backends.reference import write_kv_to_cache
 
 
 @dataclass
@@ -39,7 +43,7 @@ class PaddedBatch:
     token_rows: torch.Tensor  # int64 [tokens of these requests]: their token rows, in the same order
 
 
-def padded_batch(metadata: AttentionMetadata, requests_cpu: torch.Tensor, block_size: int,
+def padded_batch(metadata: CommonAttentionMetadata, requests_cpu: torch.Tensor, block_size: int,
                  sliding_window: int | None, group: int) -> PaddedBatch:
     """The padded layout of ``requests_cpu`` (indices into the step's requests), for layers with
     ``group`` query heads per KV head."""
@@ -86,33 +90,34 @@ def _first_visible_key(seq_lens: torch.Tensor, query_lens: torch.Tensor, sliding
     return (seq_lens - query_lens - sliding_window + 1).clamp(min=0)
 
 
-def step_batches(metadata: AttentionMetadata, block_size: int, sliding_window: int | None,
-                 group: int) -> list[PaddedBatch]:
-    """The step's decodes and its prefill chunks as padded batches, built on the first layer's call
-    and shared by the later layers of the group."""
-    key = ("sdpa", block_size, sliding_window, group)
-    if key not in metadata.backend_cache:
-        starts = metadata.query_start_loc_cpu.long()
+@dataclass
+class SdpaMetadata(AttentionMetadata):
+    batches: list[PaddedBatch]  # the step's decodes and its prefill chunks, those it has
+
+
+class SdpaMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> SdpaMetadata:
+        starts = common.query_start_loc_cpu.long()
         query_lens = starts[1:] - starts[:-1]
-        selections = (query_lens == 1, query_lens > 1)
-        metadata.backend_cache[key] = [padded_batch(metadata, selected.nonzero().squeeze(1), block_size,
-                                                    sliding_window, group)
-                                       for selected in selections if selected.any()]
-    return metadata.backend_cache[key]
+        group = self.num_heads // self.spec.num_kv_heads  # query heads per KV head
+        batches = [padded_batch(common, selected.nonzero().squeeze(1), self.block_size, self.spec.sliding_window,
+                                group) for selected in (query_lens == 1, query_lens > 1) if selected.any()]
+        return SdpaMetadata(common, batches)
 
 
-@register_backend("sdpa")
 class SdpaBackend(AttentionBackend):
+    builder_cls = SdpaMetadataBuilder
+
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         write_kv_to_cache(key, value, kv_cache, slot_mapping)
 
-    def forward(self, query, kv_cache, metadata: AttentionMetadata, *, scale, sliding_window):
-        _, block_size, num_kv_heads, head_size = kv_cache.shape[1:]
+    def forward(self, query, kv_cache, metadata: SdpaMetadata, *, scale, sliding_window):
+        num_kv_heads, head_size = kv_cache.shape[-2:]
         num_heads = query.shape[1]
         group = num_heads // num_kv_heads  # query heads per KV head
         keys, values = kv_cache.view(2, -1, num_kv_heads, head_size)
         output = torch.empty_like(query)
-        for batch in step_batches(metadata, block_size, sliding_window, group):
+        for batch in metadata.batches:
             q_len, k_len = batch.num_queries, batch.num_keys
             # Each KV head's query heads stacked along the query axis, so one call serves GQA
             # without repeating K/V: [R, kv_heads, group * q_len, d].

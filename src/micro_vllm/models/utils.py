@@ -1,0 +1,9 @@
+"""What the engine reads from a Hugging Face config the same way for every model family."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+
+def head_size_of(hf_config: PretrainedConfig) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads

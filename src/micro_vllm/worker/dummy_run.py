@@ -1,0 +1,93 @@
+"""The start-up runs, apart from the step path: the profiling run that measures peak activation
+memory and the warm-up that compiles kernels, both as dummy steps that read the null block and write
+nowhere."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from micro_vllm.core.kv_cache_manager import make_kv_cache_groups
+from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
+from micro_vllm.worker.input_buffers import InputBuffers
+
+if TYPE_CHECKING:
+    from micro_vllm.worker.model_runner import ModelRunner
+
+
+@torch.inference_mode()
+def profile_run(runner: ModelRunner) -> None:
+    """Run the largest step the scheduler can plan, with a one-block KV cache, to measure peak
+    activation memory."""
+    settings = runner.settings
+    layers = runner.model.attention_layers()
+    for layer in layers:
+        layer.kv_cache = torch.zeros(2, 1, settings.block_size, layer.num_kv_heads, layer.head_size,
+                                     dtype=settings.dtype, device=runner.device)
+    dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
+                                          settings.max_model_len))
+    for layer in layers:
+        layer.kv_cache = torch.empty(0)
+
+
+@torch.inference_mode()
+def warm_up(runner: ModelRunner) -> None:
+    """Compile the kernels eager steps use before the first request, not in the middle of serving:
+    the largest step the scheduler can plan (as the profile run: one prompt as long as a request can
+    be, the whole token budget), and one of short prompt chunks. Decode steps are compiled when their
+    graphs are captured. The largest step also leaves the allocator holding blocks of a full step's
+    activation sizes, so the first long prefill steps do not wait for the allocator."""
+    settings = runner.settings
+    dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
+                                          settings.max_model_len))
+    dummy_step(runner, np.full(min(settings.max_num_seqs, settings.max_num_batched_tokens // 2, 8), 2, np.int32))
+
+
+def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
+    """A forward pass and sampling over dummy requests with these query lengths. Every position
+    reads block 0 and writes nowhere: the values are garbage, the memory use and the kernels run
+    are real."""
+    settings, device = runner.settings, runner.device
+    num_reqs, num_tokens = len(query_lens), int(query_lens.sum())
+    max_query_len = int(query_lens.max())
+    layers = runner.model.attention_layers()
+    # Step buffers of the dummy's own, laid out as the runner's: Triton specialises kernels on the
+    # block table's row stride. Their block tables stay all zeros.
+    buffers = InputBuffers(layers, runner.attn_backend, make_kv_cache_groups([layer.spec for layer in layers]),
+                           num_reqs, num_tokens, settings.max_model_len, settings.block_size, device)
+    np.cumsum(query_lens, out=buffers.query_start_loc.np[1:])
+    buffers.seq_lens.np[:] = query_lens
+    buffers.positions.np[:] = np.concatenate([np.arange(n) for n in query_lens])
+    for slot_mapping in buffers.slot_mappings:
+        slot_mapping.np[:] = -1
+    metadata = buffers.attention_metadata(num_reqs, num_tokens, max_query_len, max_query_len, num_cols=1)
+    hidden = runner.model(buffers.input_ids.copy_to_device(num_tokens), buffers.positions.copy_to_device(num_tokens),
+                          metadata)
+    logits = runner.model.compute_logits(hidden[buffers.query_start_loc.device[1:].long() - 1])
+    # Both routes a sampling batch can take, as the runner's metadata sends it: with top-k / top-p
+    # (the sort is the sampler's largest buffer) and without, so the variants of both sampler
+    # kernels (model-dtype and fp32 logits) compile here. A Sampler of its own keeps the engine's
+    # seed streams and torch's global one untouched.
+    sampler = Sampler(runner.sampler.use_triton, device=device, max_num_reqs=num_reqs)
+    temperature = torch.ones(num_reqs, device=device)
+    top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=device)
+    top_p = torch.full((num_reqs,), 0.9, device=device)
+    seeds = torch.zeros(num_reqs, dtype=torch.int64, device=device) if sampler.use_triton else None
+    for filters in ((top_k, top_p), (None, None)):
+        sampler(logits, SamplingMetadata(temperature, *filters, all_greedy=False, all_random=True, seeds=seeds))
+
+
+def profile_query_lens(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> np.ndarray:
+    """The query lengths of the largest step the scheduler can plan: as many requests as it runs,
+    as many tokens as the budget allows, the first one as long as a request can be."""
+    num_reqs = min(max_num_seqs, max_num_batched_tokens)
+    num_tokens = min(max_num_batched_tokens, num_reqs * max_model_len)
+    query_lens = np.ones(num_reqs, np.int32)
+    query_lens[0] = min(max_model_len, num_tokens - (num_reqs - 1))
+    if num_reqs > 1:  # the rest of the tokens, spread evenly over the other requests
+        rest = num_tokens - int(query_lens[0])
+        query_lens[1:] = rest // (num_reqs - 1)
+        query_lens[1 : 1 + rest % (num_reqs - 1)] += 1
+    return query_lens
