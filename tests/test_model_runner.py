@@ -12,7 +12,7 @@ from micro_vllm import LLM, SamplingParams
 from micro_vllm.attention.attention import Attention
 from micro_vllm.attention.backends.registry import get_backend_cls
 from micro_vllm.core.kv_cache_manager import make_kv_cache_groups
-from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 from micro_vllm.worker.cuda_graphs import pad_decode_batch
 from micro_vllm.worker.dummy_run import profile_query_lens, profile_run, warm_up
 from micro_vllm.worker.input_buffers import InputBuffers

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from micro_vllm.attention.attention import Attention
 from micro_vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
-from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 
 
 class InputBuffers:

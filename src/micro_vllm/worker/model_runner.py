@@ -24,7 +24,7 @@ from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.model_loader.checkpoint import load_model
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
-from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 from micro_vllm.worker.cuda_graphs import CudaGraphs, cuda_graph_sizes, pad_decode_batch
 from micro_vllm.worker.dummy_run import warm_up
 from micro_vllm.worker.input_batch import InputBatch

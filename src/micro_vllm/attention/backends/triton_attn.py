@@ -60,7 +60,7 @@ from micro_vllm.attention.backends.abstract import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from micro_vllm.worker.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 
 # Flash-decoding mode: at most this many splits per (request, KV head), each of at least this
 # many keys (below that, the merge costs more than the extra parallelism brings).
