@@ -1,3 +1,5 @@
+"""``python -m micro_vllm``: the same command line as ``micro-vllm``."""
+
 import sys
 
 from micro_vllm.cli import main

@@ -1,5 +1,6 @@
 """Fused Triton kernels for a decoder layer's elementwise work: RMSNorm (with the residual add),
-Qwen3's per-head q/k RMSNorm, rotary embedding and SiLU-and-mul, one launch each.
+Qwen3's per-head q/k RMSNorm, rotary embedding and SiLU-and-mul, one launch each. One file, since
+every kernel follows the same rounding rule (``_round``, below) that makes it PyTorch's twin.
 
 Why: unfused, each of these ops is several tiny elementwise and reduction kernels per decoder layer
 (2 for SiLU-and-mul, up to 16 for rotary embedding), and in a large decode batch those launches take

@@ -1,6 +1,8 @@
 """The ``triton`` attention backend: a KV-cache write kernel and one varlen paged-attention kernel.
 
-This module owns the Triton kernels and the host code that sizes their grids:
+This module owns the Triton kernels and the host code that sizes their grids; it is one file, longer
+than the others, because each kernel's tile and split choices are only readable next to the kernel
+they shape:
 
 * ``_write_kv_kernel`` scatters a step's K/V rows into the paged cache through ``slot_mapping``.
 * ``_attention_kernel`` computes attention for a whole step in one launch: prefill chunks (with cached
@@ -12,8 +14,8 @@ This module owns the Triton kernels and the host code that sizes their grids:
 
 Grid of the attention kernel: ``(num_kv_heads, query blocks, num_splits)``. The KV heads vary fastest,
 so the programs of one query block start together: they read the same pages, where a token's K/V of
-all heads lie side by side. On the H200 this took a decode batch of 64 requests from 106.7 to 91.0 µs
-and one of 128 from 177.2 to 168.6 µs (``benchmarks/attention_sweep.py``, docs/benchmarks.md).
+all heads lie side by side, while those pages are still in L2 (``benchmarks/attention_sweep.py``
+measures the grid orders; the figures are in docs/benchmarks.md).
 A program owns ``BLOCK_Q`` consecutive query tokens of one request and all ``GROUP`` query heads that
 share one KV head (``BLOCK_M = BLOCK_Q * GROUP`` rows of the score tile), so each K/V tile is loaded
 once per group. It walks the request's context in tiles of ``TILE_N`` keys, reading pages through the
@@ -415,10 +417,8 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
         return 1
     # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of K/V
     # tiles in shared memory, by tests/hopper_compile.py), rounding the share of each pair up: with
-    # 2 * SMs or more (request, KV head) pairs, splitting only adds the merge. On the H200 eight per
-    # SM was slower at 8 requests (20.0 against 15.2 us per layer); two splits were slower at 64, 128
-    # and 256 requests and faster at 32, where 256 pairs fall just short of 264 (55.3 against 57.7
-    # us, and 55.9 against 57.2 in an earlier call; benchmarks/attention_sweep.py, docs/benchmarks.md).
+    # 2 * SMs or more (request, KV head) pairs, splitting only adds the merge, and more programs per
+    # SM only queue (the sweep in benchmarks/attention_sweep.py decided the rule; docs/benchmarks.md).
     per_pair = -(-2 * _num_sms(device) // (num_reqs * num_kv_heads))
     if per_pair < 2:
         return 1
@@ -446,8 +446,8 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
         # registers on sm_90 (tests/hopper_compile.py).
         tile_n = 128 if _head_pad(head_size) <= 128 else 64
         return _Tiles(16, tile_n, 4, 3, one_qblock_per_req=True)
-    # 32 keys per step: on the sweep's prefill step 378.3 against 407.5 us for 64 keys (and 384.1
-    # against 403.8 in an earlier call); the nine other shapes timed were slower.
+    # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
+    # keeps more stages in flight (benchmarks/attention_sweep.py chose it; docs/benchmarks.md).
     return _Tiles(max(64, triton.next_power_of_2(group)), 32, 4, 2, one_qblock_per_req=False)
 
 
@@ -525,11 +525,10 @@ class TritonBackend(AttentionBackend):
 
     def write_and_attend(self, query, key, value, kv_cache, metadata: TritonAttentionMetadata, *, scale,
                          sliding_window):
-        """Decode steps store their new K/V inside the attention launch (one launch per layer fewer;
-        on the H200 the separate write took 1.4 to 1.7 us per layer of a decode step). Storing it
-        first and reading it back behind a barrier cost more than that at 256 requests (169.4
-        against 166.0 us per launch, commit 8e3ac9d), so the new key joins from registers. Steps
-        with longer queries write first: a query block reads keys that other programs write."""
+        """Decode steps store their new K/V inside the attention launch (one launch per layer
+        fewer). The new key joins the softmax from registers rather than being stored first and read
+        back behind a barrier, which costs more than the separate launch it saves. Steps with longer
+        queries write first: a query block reads keys that other programs write."""
         if metadata.common.max_query_len != 1:
             return super().write_and_attend(query, key, value, kv_cache, metadata, scale=scale,
                                             sliding_window=sliding_window)
