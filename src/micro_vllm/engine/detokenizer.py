@@ -1,0 +1,172 @@
+"""Turns one sequence's new token ids into text as they arrive, and ends it at a stop string.
+
+One ``IncrementalDetokenizer`` per sequence (vLLM's name and method names). Each step the engine
+hands it the sequence's new token ids; it extends ``output_text``, checks the stop strings on the new
+text, and ``get_next_output_text`` gives the text to stream: the whole text so far (vLLM's
+``CUMULATIVE``) or what is new since the last call (``DELTA``).
+
+The text is exactly what the tokenizer decodes. Decoding one token at a time is not: a character can
+be split over several tokens (byte-level BPE, SentencePiece byte fallback), and SentencePiece drops the
+leading space of the first token it decodes. So each step decodes a short window of recent tokens
+and emits only what the window's text gained (the "prefix / read offset" method of vLLM's slow path):
+
+- the window starts with a few prompt tokens, so the first output token keeps its leading space;
+- text ending in U+FFFD (an incomplete character) is held back until the character completes;
+  only the replacement characters at the end are held, the text before them is emitted at once;
+- once a token completes new text, the window slides past the tokens before it, so a step costs
+  the same however long the sequence gets.
+
+The text of a finished sequence is therefore ``decode(prompt + output)`` after ``decode(prompt)``
+(for byte-level BPE that is ``decode(output)``), less an incomplete character at its very end,
+which vLLM does not emit either.
+
+Stop strings are matched on the text as it grows, across token boundaries. The text is cut where
+the first stop string ends (before it, or after it with ``include_stop_str_in_output``), and the
+rest of that step's text is dropped. "First" is the earliest end in the text, whatever the grouping
+of tokens into steps; vLLM takes the first one listed among several that complete in one step, which
+is the same unless two stops complete within one step. While streaming deltas, the last
+``len(longest stop) - 1`` characters are held back, since they could be the start of a stop string
+that must not be shown.
+
+``tokenizers.decoders.DecodeStream`` (vLLM's fast path) holds a token's whole text while it ends in
+an incomplete character, so text before the character would be lost when the sequence ends there;
+hence the window method here, on the same Rust decoder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"  # what decoders print for bytes that are not (yet) a whole character
+
+# The prompt tokens the first window starts with: enough for SentencePiece's leading space, and
+# searched back (up to the longer bound) for a start that is not inside a character.
+_PROMPT_CONTEXT_TOKENS = 4
+_MAX_PROMPT_CONTEXT_TOKENS = 24
+
+
+class IncrementalDetokenizer:
+    """The text of one sequence, extended token by token, cut at its first stop string.
+
+    ``tokenizer=None`` or ``detokenize=False`` keeps token ids only: the text stays empty and stop
+    strings are refused (they need text). ``update(..., stop_terminated=True)`` says the last new
+    token is an EOS or stop token: its text is left out unless ``include_stop_str_in_output``, and no
+    stop string is checked (the sequence ended on the token), as vLLM does.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: str | Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        detokenize: bool = True,
+    ) -> None:
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop={stop!r} is not allowed; stop strings must be non-empty strings")
+        self.detokenize = detokenize and tokenizer is not None
+        if stop and not self.detokenize:
+            raise ValueError(
+                f"stop={stop!r} is not allowed with detokenize={detokenize!r} and "
+                f"tokenizer={'None' if tokenizer is None else 'given'}; stop strings need text: "
+                "a tokenizer and detokenize=True"
+            )
+        self.stop = stop
+        self.include_stop_str_in_output = include_stop_str_in_output
+        # Characters that could still turn out to start an excluded stop string: not streamed yet.
+        self.stop_buffer_length = max(map(len, stop)) - 1 if stop and not include_stop_str_in_output else 0
+
+        self.token_ids: list[int] = []  # the output's token ids (all of them, also past a stop string)
+        self.output_text = ""
+        self._last_output_text_offset = 0  # how much of output_text the deltas have given out
+        if not self.detokenize:
+            return
+        # The Rust tokenizer itself: transformers' decode wrapper costs several times the decode.
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self._decode: Callable[[list[int]], str] = partial(backend.decode, skip_special_tokens=skip_special_tokens)
+        # The window: the token ids that made the last emitted text, then those since. _read_offset
+        # is where the former end; _emitted is how much of the window's text is already out (in
+        # output_text, or the prompt's).
+        self._window = _prompt_context(self._decode, prompt_token_ids)
+        self._read_offset = len(self._window)
+        self._emitted = len(self._decode(self._window))
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
+        """Appends the new tokens and their text; returns the stop string that ended it, if any."""
+        self.token_ids.extend(new_token_ids)
+        if not self.detokenize or not new_token_ids:
+            return None
+        text_token_ids = new_token_ids
+        if stop_terminated and not self.include_stop_str_in_output:
+            text_token_ids = new_token_ids[:-1]
+        length_before = len(self.output_text)
+        self.output_text += "".join(self._decode_next(token_id) for token_id in text_token_ids)
+        if stop_terminated or not self.stop:
+            return None
+        return self._check_stop_strings(len(self.output_text) - length_before)
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The text so far, or with ``delta`` what is new since the last call; a finished sequence's
+        text is given whole, an unfinished one's less the characters a stop string could still claim."""
+        end = max(0, len(self.output_text) - (0 if finished else self.stop_buffer_length))
+        if not delta:
+            return self.output_text[:end]
+        start = self._last_output_text_offset
+        if end <= start:
+            return ""
+        self._last_output_text_offset = end
+        return self.output_text[start:end]
+
+    def _decode_next(self, token_id: int) -> str:
+        """The text ``token_id`` adds (possibly none yet, or some an earlier token held back)."""
+        self._window.append(token_id)
+        text = self._decode(self._window)
+        complete = len(text.rstrip(REPLACEMENT_CHAR))
+        new_text = text[self._emitted:complete]
+        if complete < len(text):  # an incomplete character at the end: wait for its other bytes
+            self._emitted = max(self._emitted, complete)
+        elif not new_text:
+            # A token without text (a skipped special token) is no context for the next ones, and
+            # must not start a window (a SentencePiece decoder would then drop the next token's space).
+            self._window.pop()
+        else:
+            # Later tokens only need the tokens that made this text as context: slide the window
+            # to them, so that its length does not grow with the sequence.
+            self._window = self._window[self._read_offset:]
+            self._read_offset = len(self._window)
+            self._emitted = len(self._decode(self._window))
+        return new_text
+
+    def _check_stop_strings(self, num_new_chars: int) -> str | None:
+        """Cuts ``output_text`` at the stop string that ends first in the new text; returns it."""
+        text = self.output_text
+        first: tuple[int, str] | None = None  # (end, stop string)
+        for stop in self.stop:
+            # Only a match that ends in the new text is new; it may start in the older text.
+            start = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+            if start != -1 and (first is None or start + len(stop) < first[0]):
+                first = (start + len(stop), stop)
+        if first is None:
+            return None
+        end, stop = first
+        self.output_text = text[:end] if self.include_stop_str_in_output else text[:end - len(stop)]
+        return stop
+
+
+def _prompt_context(decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int]) -> list[int]:
+    """The last few prompt tokens, starting where their text does not begin inside a character."""
+    prompt = list(prompt_token_ids)
+    for n in range(_PROMPT_CONTEXT_TOKENS, min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+        if REPLACEMENT_CHAR not in decode(prompt[-n:]):
+            return prompt[-n:]
+    return prompt[-_PROMPT_CONTEXT_TOKENS:]
