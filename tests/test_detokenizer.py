@@ -169,6 +169,20 @@ def test_streamed_text_is_the_decoded_text(tokenizer, data, skip_special_tokens)
         == tokenizer.decode(output, skip_special_tokens=skip_special_tokens)
 
 
+
+@pytest.mark.parametrize("decoder", list(SENTENCEPIECE_DECODERS))
+@pytest.mark.parametrize("prompt_text", ["", "Hi", "Hi  "])
+@pytest.mark.parametrize("output_text", ["  x", " ", "\n x"])
+def test_sentencepiece_spaces_at_the_start(decoder, prompt_text, output_text):
+    """A first token that SentencePiece decodes to nothing (its space dropped) is context all the same."""
+    tokenizer = sentencepiece_tokenizer(decoder)
+    for prompt in (encode(tokenizer, prompt_text), [tokenizer.bos_token_id] + encode(tokenizer, prompt_text)):
+        for skip_special_tokens in (True, False):
+            output = encode(tokenizer, output_text) + [tokenizer.eos_token_id] + encode(tokenizer, output_text)
+            detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
+            deltas, _ = stream(detokenizer, output, [1] * len(output))
+            assert "".join(deltas) == reference_text(tokenizer, prompt, output, skip_special_tokens)
+
 @PROPERTY_SETTINGS
 @given(data=st.data(), include=st.booleans())
 def test_stop_strings_cut_where_a_search_of_the_whole_text_does(tokenizer, data, include):

@@ -136,9 +136,11 @@ class IncrementalDetokenizer:
         if complete < len(text):  # an incomplete character at the end: wait for its other bytes
             self._emitted = max(self._emitted, complete)
         elif not new_text:
-            # A token without text (a skipped special token) is no context for the next ones, and
-            # must not start a window (a SentencePiece decoder would then drop the next token's space).
-            self._window.pop()
+            # After text, a token that adds none is a skipped special token: no context for later
+            # tokens, and it must not start a window (SentencePiece would drop the next token's
+            # space). Before any text it stays: a leading space SentencePiece dropped is context.
+            if text:
+                self._window.pop()
         else:
             # Later tokens only need the tokens that made this text as context: slide the window
             # to them, so that its length does not grow with the sequence.
