@@ -5,20 +5,17 @@ hands it the sequence's new token ids; it extends ``output_text``, checks the st
 text, and ``get_next_output_text`` gives the text to stream: the whole text so far (vLLM's
 ``CUMULATIVE``) or what is new since the last call (``DELTA``).
 
-The text is exactly what the tokenizer decodes. Decoding one token at a time is not: a character can
-be split over several tokens (byte-level BPE, SentencePiece byte fallback), and SentencePiece drops the
-leading space of the first token it decodes. So each step decodes a short window of recent tokens
-and emits only what the window's text gained (the "prefix / read offset" method of vLLM's slow path):
-
-- the window starts with a few prompt tokens, so the first output token keeps its leading space;
-- text ending in U+FFFD (an incomplete character) is held back until the character completes;
-  only the replacement characters at the end are held, the text before them is emitted at once;
-- once a token completes new text, the window slides past the tokens before it, so a step costs
-  the same however long the sequence gets.
-
-The text of a finished sequence is therefore ``decode(prompt + output)`` after ``decode(prompt)``
-(for byte-level BPE that is ``decode(output)``), less an incomplete character at its very end,
-which vLLM does not emit either.
+The text is what the tokenizer decodes, though decoding one token at a time is not: a character can
+be split over several tokens (byte-level BPE, SentencePiece byte fallback), and SentencePiece drops
+the leading space of the first token it decodes. The ``tokenizers`` library's ``DecodeStream`` (as in
+vLLM's fast path) decodes a short window of recent tokens each step in Rust and gives what the
+window's text gained; text that ends in U+FFFD (an incomplete character) is held back until the
+character completes. It starts with a few prompt tokens, so the first output token keeps its leading
+space. The text of a sequence is therefore ``decode(prompt + output)`` after ``decode(prompt)`` (for
+byte-level BPE, ``decode(output)``), up to its last token after which the text was whole: when a
+sequence ends inside a character, that character is not shown, nor the text of the tokens since the
+last whole one (as in vLLM). Skipped special tokens never reach the stream: they add no text, and
+the window would grow by each of them (a model that ignores EOS can give thousands).
 
 Stop strings are matched on the text as it grows, across token boundaries. The text is cut where
 the first stop string ends (before it, or after it with ``include_stop_str_in_output``), and the
@@ -27,23 +24,21 @@ of tokens into steps; vLLM takes the first one listed among several that complet
 is the same unless two stops complete within one step. While streaming deltas, the last
 ``len(longest stop) - 1`` characters are held back, since they could be the start of a stop string
 that must not be shown.
-
-``tokenizers.decoders.DecodeStream`` (vLLM's fast path) holds a token's whole text while it ends in
-an incomplete character, so text before the character would be lost when the sequence ends there;
-hence the window method here, on the same Rust decoder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
+from functools import lru_cache
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoders print for bytes that are not (yet) a whole character
 
-# The prompt tokens the first window starts with: enough for SentencePiece's leading space, and
-# searched back (up to the longer bound) for a start that is not inside a character.
+# The prompt tokens the stream starts with: enough for SentencePiece's leading space, and searched
+# back (up to the longer bound) for a start whose text is whole.
 _PROMPT_CONTEXT_TOKENS = 4
 _MAX_PROMPT_CONTEXT_TOKENS = 24
 
@@ -87,15 +82,18 @@ class IncrementalDetokenizer:
         self._last_output_text_offset = 0  # how much of output_text the deltas have given out
         if not self.detokenize:
             return
-        # The Rust tokenizer itself: transformers' decode wrapper costs several times the decode.
-        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-        self._decode: Callable[[list[int]], str] = partial(backend.decode, skip_special_tokens=skip_special_tokens)
-        # The window: the token ids that made the last emitted text, then those since. _read_offset
-        # is where the former end; _emitted is how much of the window's text is already out (in
-        # output_text, or the prompt's).
-        self._window = _prompt_context(self._decode, prompt_token_ids)
-        self._read_offset = len(self._window)
-        self._emitted = len(self._decode(self._window))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if not isinstance(backend, Tokenizer):
+            raise TypeError(
+                f"tokenizer={type(tokenizer).__name__} is not allowed; detokenizing needs a fast tokenizer "
+                "(one backed by the tokenizers library, with a backend_tokenizer)"
+            )
+        self._tokenizer = backend
+        self._skipped_ids = _special_token_ids(backend) if skip_special_tokens else frozenset()
+        prompt_tail = prompt_token_ids[-_MAX_PROMPT_CONTEXT_TOKENS:]
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in _prompt_context(backend, [t for t in prompt_tail if t not in self._skipped_ids]):
+            self._stream.step(backend, token_id)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -128,26 +126,10 @@ class IncrementalDetokenizer:
         return self.output_text[start:end]
 
     def _decode_next(self, token_id: int) -> str:
-        """The text ``token_id`` adds (possibly none yet, or some an earlier token held back)."""
-        self._window.append(token_id)
-        text = self._decode(self._window)
-        complete = len(text.rstrip(REPLACEMENT_CHAR))
-        new_text = text[self._emitted:complete]
-        if complete < len(text):  # an incomplete character at the end: wait for its other bytes
-            self._emitted = max(self._emitted, complete)
-        elif not new_text:
-            # After text, a token that adds none is a skipped special token: no context for later
-            # tokens, and it must not start a window (SentencePiece would drop the next token's
-            # space). Before any text it stays: a leading space SentencePiece dropped is context.
-            if text:
-                self._window.pop()
-        else:
-            # Later tokens only need the tokens that made this text as context: slide the window
-            # to them, so that its length does not grow with the sequence.
-            self._window = self._window[self._read_offset:]
-            self._read_offset = len(self._window)
-            self._emitted = len(self._decode(self._window))
-        return new_text
+        """The text ``token_id`` adds: none while a character is incomplete, then all held back."""
+        if token_id in self._skipped_ids:
+            return ""
+        return self._stream.step(self._tokenizer, token_id) or ""
 
     def _check_stop_strings(self, num_new_chars: int) -> str | None:
         """Cuts ``output_text`` at the stop string that ends first in the new text; returns it."""
@@ -165,10 +147,17 @@ class IncrementalDetokenizer:
         return stop
 
 
-def _prompt_context(decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int]) -> list[int]:
-    """The last few prompt tokens, starting where their text does not begin inside a character."""
-    prompt = list(prompt_token_ids)
-    for n in range(_PROMPT_CONTEXT_TOKENS, min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
-        if REPLACEMENT_CHAR not in decode(prompt[-n:]):
+@lru_cache(maxsize=8)
+def _special_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids ``skip_special_tokens`` skips; cached, as a tokenizer can have hundreds."""
+    return frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+
+
+def _prompt_context(tokenizer: Tokenizer, prompt: list[int]) -> list[int]:
+    """The last few prompt tokens, back to where their text does not end in U+FFFD (the stream would
+    hold that back and give it out with the first output text); none if the prompt ends inside a
+    character."""
+    for n in range(min(len(prompt), _PROMPT_CONTEXT_TOKENS), min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+        if not tokenizer.decode(prompt[-n:]).endswith(REPLACEMENT_CHAR):
             return prompt[-n:]
-    return prompt[-_PROMPT_CONTEXT_TOKENS:]
+    return []
