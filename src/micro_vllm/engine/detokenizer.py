@@ -17,6 +17,11 @@ sequence ends inside a character, that character is not shown, nor the text of t
 last whole one (as in vLLM). Skipped special tokens never reach the stream: they add no text, and
 the window would grow by each of them (a model that ignores EOS can give thousands).
 
+Two limits, shared with vLLM. SentencePiece's decoder turns every byte of a run of byte tokens that
+is not valid UTF-8 as a whole into U+FFFD, also the characters a stray byte follows, which the
+stream has already given out. And vLLM's ``spaces_between_special_tokens`` has nothing to change:
+the decoders of fast tokenizers put no spaces between tokens (transformers' ``decode`` ignores it).
+
 Stop strings are matched on the text as it grows, across token boundaries. The text is cut where
 the first stop string ends (before it, or after it with ``include_stop_str_in_output``), and the
 rest of that step's text is dropped. "First" is the earliest end in the text, whatever the grouping
