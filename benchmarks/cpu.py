@@ -60,7 +60,7 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens: int, eos: set[int], ignore_eos
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return sum(useful_tokens(list(o.output_token_ids), set() if ignore_eos else eos) for o in outputs), seconds
+    return sum(useful_tokens(list(o.outputs[0].token_ids), set() if ignore_eos else eos) for o in outputs), seconds
 
 
 def run_transformers(model, prompts, max_tokens: int, eos: set[int], pad_token_id: int,

@@ -17,13 +17,14 @@ import time
 import torch
 
 from bench_model import build_random_model
-from micro_vllm import LLM, SamplingParams
+from micro_vllm import LLM, RequestOutputKind, SamplingParams
 
 
 def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int) -> dict[str, float]:
     engine = llm.engine
     rng = random.Random(batch_size)
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     requests = [
         engine.make_request(f"latency-{batch_size}-{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
         for i in range(batch_size)

@@ -33,7 +33,7 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[i
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync()
     seconds = time.perf_counter() - start
-    return sum(len(o.output_token_ids) for o in outputs), seconds
+    return sum(len(o.outputs[0].token_ids) for o in outputs), seconds
 
 
 @contextlib.contextmanager

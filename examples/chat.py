@@ -33,18 +33,18 @@ def main() -> None:
         replies = llm.chat(conversations, params)
         for conversation, reply in zip(conversations, replies):
             print(f"user:      {conversation[-1]['content']}")
-            print(f"assistant: {reply.output_text}\n")
+            print(f"assistant: {reply.outputs[0].text}\n")
 
         # To go on, append the reply and the next question, and send the whole conversation again.
         # Its start is the prompt just computed, so the prefix cache serves those tokens instead of
         # computing them a second time (RequestOutput.num_cached_tokens counts them).
         follow_up = conversations[0] + [
-            {"role": "assistant", "content": replies[0].output_text},
+            {"role": "assistant", "content": replies[0].outputs[0].text},
             {"role": "user", "content": "And what is the capital of Italy?"},
         ]
         [reply] = llm.chat(follow_up, params)
         print(f"user:      {follow_up[-1]['content']}")
-        print(f"assistant: {reply.output_text}")
+        print(f"assistant: {reply.outputs[0].text}")
         print(f"           [{reply.num_cached_tokens} of the {len(reply.prompt_token_ids)} prompt tokens "
               f"came from the prefix cache]")
 

@@ -40,9 +40,9 @@ def main() -> None:
     # Outputs come back in the order of the prompts, whichever finished first.
     for output in outputs:
         print(f"prompt: {output.prompt!r}")
-        print(f"output: {output.output_text!r}")
+        print(f"output: {output.outputs[0].text!r}")
         # "stop": the model emitted an end-of-sequence token; "length": it reached max_tokens.
-        print(f"        [{output.finish_reason}, {len(output.output_token_ids)} tokens]\n")
+        print(f"        [{output.outputs[0].finish_reason}, {len(output.outputs[0].token_ids)} tokens]\n")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def main() -> None:
         outputs = llm.chat(conversations, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     # Leaving the with block shuts the engine down, which closes the trace file.
     for output in outputs:
-        print(f"{output.output_text!r}  [{output.num_cached_tokens} prompt tokens from the prefix cache]")
+        print(f"{output.outputs[0].text!r}  [{output.num_cached_tokens} prompt tokens from the prefix cache]")
 
     events = trace_tools.read_trace(args.trace)
     # Each "step" event says what one engine step computed and how full the KV cache was.

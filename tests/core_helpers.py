@@ -77,7 +77,7 @@ def run_to_completion(scheduler: Scheduler, max_steps=10_000, check=None) -> lis
 
 def token_ids(outputs) -> list[list[int]]:
     """Each request output's generated token ids, in order."""
-    return [o.output_token_ids for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def block_ids(blocks) -> list[int]:

@@ -60,12 +60,12 @@ def test_bad_prompts_raise_before_work_and_engine_survives(llm, prompt, match):
         llm.generate([good_prompt, prompt], GOOD, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()  # the good prompt was not queued either
     [output] = llm.generate([good_prompt], GOOD, use_tqdm=False)
-    assert len(output.output_token_ids) == 4
+    assert len(output.outputs[0].token_ids) == 4
 
 
 def test_prompt_plus_max_tokens_beyond_max_model_len_is_not_an_error(llm):
     [output] = llm.generate([list(range(60))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
-    assert output.finish_reason == "length" and len(output.output_token_ids) == 4
+    assert output.outputs[0].finish_reason == "length" and len(output.outputs[0].token_ids) == 4
 
 
 def test_wrong_number_of_sampling_params(llm):
@@ -157,4 +157,4 @@ def test_request_that_can_never_fit_in_the_cache(tmp_path):
     with pytest.raises(ValueError, match=r"can never fit"):
         llm.generate([[1] * 40], SamplingParams(max_tokens=10), use_tqdm=False)
     [ok] = llm.generate([[1] * 10], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert len(ok.output_token_ids) == 10
+    assert len(ok.outputs[0].token_ids) == 10

@@ -108,7 +108,7 @@ def test_cpu_benchmark_counts_the_same_useful_tokens_on_both_sides(tmp_path):
     prompts = [[1 + i] * (3 + 5 * i) for i in range(4)]  # different lengths: transformers pads them
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": prompts[0]}], greedy, use_tqdm=False)[0]
-    eos = {first.output_token_ids[3]}
+    eos = {first.outputs[0].token_ids[3]}
     # --single ignores EOS on both sides, so both make and count exactly the tokens asked for
     assert cpu.run_micro_vllm(llm, prompts, 12, eos, ignore_eos=True)[0] == 4 * 12
     assert cpu.run_transformers(model, prompts, 12, eos, pad_token_id=0, ignore_eos=True)[0] == 4 * 12

@@ -67,12 +67,12 @@ def test_llm_answers_paris_and_matches_transformers(model_dir: Path) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with LLM(model=str(model_dir), device="cpu", max_model_len=512) as llm:
         [output] = llm.chat(messages, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
-    assert "Paris" in output.output_text, output.output_text
-    assert output.finish_reason == "stop"
+    assert "Paris" in output.outputs[0].text, output.outputs[0].text
+    assert output.outputs[0].finish_reason == "stop"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         expected = model.generate(torch.tensor([output.prompt_token_ids]), max_new_tokens=20, do_sample=False)
-    assert output.output_token_ids == expected[0, len(output.prompt_token_ids):].tolist()
+    assert output.outputs[0].token_ids == expected[0, len(output.prompt_token_ids):].tolist()
 
 
 def test_cli_generates_with_the_default_model(model_dir: Path, capsys) -> None:

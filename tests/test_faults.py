@@ -218,7 +218,7 @@ CHILD = textwrap.dedent(
     prompts, params, settings = json.loads(sys.argv[2])
     params = [SamplingParams(**p) for p in params]
     make = lambda: LLM(model=sys.argv[1], device="cpu", dtype="float32", attention_backend="sdpa", **settings)
-    tokens = lambda outputs: [o.output_token_ids for o in outputs]
+    tokens = lambda outputs: [o.outputs[0].token_ids for o in outputs]
     expected = tokens(make().generate(prompts, params, use_tqdm=False))
     llm = make()
     engine = llm.engine

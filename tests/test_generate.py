@@ -61,8 +61,8 @@ def test_greedy_matches_transformers(family, backend, model_dirs, hf_greedy):
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, output, expected in zip(PROMPTS, outputs, hf_greedy(family)):
         assert output.prompt_token_ids == prompt
-        assert output.output_token_ids == expected
-        assert output.finish_reason == "length"
+        assert output.outputs[0].token_ids == expected
+        assert output.outputs[0].finish_reason == "length"
     check_all_free(llm.engine.scheduler)
 
 
@@ -76,9 +76,9 @@ def test_config_form_and_keyword_form_agree(model_dirs):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with LLM(config) as a, LLM(model=path, max_model_len=128, block_size=16, device="cpu") as b, \
             LLM(path, max_model_len=128, block_size=16, device="cpu") as c:
-        expected = [o.output_token_ids for o in a.generate(PROMPTS, params, use_tqdm=False)]
-        assert [o.output_token_ids for o in b.generate(PROMPTS, params, use_tqdm=False)] == expected
-        assert [o.output_token_ids for o in c.generate(PROMPTS, params, use_tqdm=False)] == expected
+        expected = [o.outputs[0].token_ids for o in a.generate(PROMPTS, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in b.generate(PROMPTS, params, use_tqdm=False)] == expected
+        assert [o.outputs[0].token_ids for o in c.generate(PROMPTS, params, use_tqdm=False)] == expected
 
 
 def test_text_prompts_dict_prompts_and_detokenized_output(model_dirs):
@@ -88,8 +88,8 @@ def test_text_prompts_dict_prompts_and_detokenized_output(model_dirs):
         ["hello", list(b"hello"), {"prompt_token_ids": list(b"hello")}], params, use_tqdm=False
     )
     assert text.prompt == "hello"
-    assert text.output_token_ids == ids.output_token_ids == as_dict.output_token_ids
-    assert text.output_text == llm.tokenizer.decode(text.output_token_ids, skip_special_tokens=True)
+    assert text.outputs[0].token_ids == ids.outputs[0].token_ids == as_dict.outputs[0].token_ids
+    assert text.outputs[0].text == llm.tokenizer.decode(text.outputs[0].token_ids, skip_special_tokens=True)
     assert [o.request_id for o in (text, ids, as_dict)] == sorted({text.request_id, ids.request_id, as_dict.request_id}, key=int)
 
 
@@ -97,29 +97,29 @@ def test_generation_stops_at_max_model_len(model_dirs):
     llm = _llm(model_dirs["llama"], "sdpa", max_model_len=40)
     [output] = llm.generate([list(range(3, 40))], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
                             use_tqdm=False)
-    assert len(output.output_token_ids) == 3 and output.finish_reason == "length"
+    assert len(output.outputs[0].token_ids) == 3 and output.outputs[0].finish_reason == "length"
 
 
 def test_eos_stops_generation(model_dirs):
     llm = _llm(model_dirs["llama"], "sdpa")
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     [free] = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)
-    stop_at = free.output_token_ids[3]
+    stop_at = free.outputs[0].token_ids[3]
     [stopped] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at]),
                              use_tqdm=False)
-    assert stopped.finish_reason == "stop"
-    assert stopped.output_token_ids == free.output_token_ids[: free.output_token_ids.index(stop_at) + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].token_ids == free.outputs[0].token_ids[: free.outputs[0].token_ids.index(stop_at) + 1]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
     llm = _llm(model_dirs["mistral"], "sdpa")
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
     other = SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True)
-    alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].output_token_ids
-    crowded = llm.generate(PROMPTS[1:] + [PROMPTS[0]], [other] * 3 + [seeded], use_tqdm=False)[-1].output_token_ids
+    alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    crowded = llm.generate(PROMPTS[1:] + [PROMPTS[0]], [other] * 3 + [seeded], use_tqdm=False)[-1].outputs[0].token_ids
     assert alone == crowded
     reseeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=99, ignore_eos=True)
-    assert llm.generate([PROMPTS[0]], reseeded, use_tqdm=False)[0].output_token_ids != alone
+    assert llm.generate([PROMPTS[0]], reseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
 def test_top_k_one_is_greedy(model_dirs):
@@ -127,16 +127,16 @@ def test_top_k_one_is_greedy(model_dirs):
     greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
     top1 = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=1.5, top_k=1, ignore_eos=True),
                         use_tqdm=False)
-    assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in top1]
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
 
 
 def test_greedy_rows_stay_greedy_beside_sampled_rows(model_dirs):
     llm = _llm(model_dirs["llama_untied"], "sdpa")
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.8, ignore_eos=True)
-    alone = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].output_token_ids
+    alone = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
     mixed = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [sampled, greedy, sampled], use_tqdm=False)
-    assert mixed[1].output_token_ids == alone
+    assert mixed[1].outputs[0].token_ids == alone
 
 
 @pytest.mark.parametrize("budget", [16, 3])  # 3 < max_num_seqs: some decodes wait steps for budget
@@ -148,7 +148,7 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(budget, model_dirs):
     free = _llm(path, "sdpa").generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                        use_tqdm=False)
     params = [
-        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[free[0].output_token_ids[2]]),  # stops early
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[free[0].outputs[0].token_ids[2]]),  # stops early
         SamplingParams(max_tokens=9, temperature=0.8, seed=7, ignore_eos=True),
         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
@@ -156,9 +156,9 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(budget, model_dirs):
     runs = []
     for async_scheduling in (True, False):
         llm = _llm(path, "sdpa", max_num_batched_tokens=budget, async_scheduling=async_scheduling)
-        runs.append([(o.output_token_ids, o.finish_reason) for o in llm.generate(PROMPTS * 2, params * 2, use_tqdm=False)])
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(PROMPTS * 2, params * 2, use_tqdm=False)])
         check_all_free(llm.engine.scheduler)
         assert not llm.engine.in_flight
     assert runs[0] == runs[1]
-    assert runs[0][0] == (free[0].output_token_ids[:3], "stop")
+    assert runs[0][0] == (free[0].outputs[0].token_ids[:3], "stop")
     assert [len(tokens) for tokens, _ in runs[0][:4]] == [3, 9, 12, 5]

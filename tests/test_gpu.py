@@ -235,9 +235,9 @@ def test_benchmark_model_runs_with_default_settings(tmp_path):
             for i, m in enumerate(max_tokens)
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert [len(o.output_token_ids) for o in outputs] == max_tokens
-        assert all(o.finish_reason == "length" for o in outputs)
-        assert all(0 <= t < QWEN3_0_6B["vocab_size"] for o in outputs for t in o.output_token_ids)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == max_tokens
+        assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+        assert all(0 <= t < QWEN3_0_6B["vocab_size"] for o in outputs for t in o.outputs[0].token_ids)
 
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -255,8 +255,8 @@ def test_benchmark_model_runs_with_default_settings(tmp_path):
 def _assert_matches_reference(outputs, references: list[Reference], what: str) -> None:
     for i, (prompt, output, reference) in enumerate(zip(PROMPTS, outputs, references)):
         assert output.prompt_token_ids == prompt
-        assert output.finish_reason == "length"
-        agreement = check_greedy_agreement(output.output_token_ids, reference.tokens, reference, f"{what}, prompt {i}")
+        assert output.outputs[0].finish_reason == "length"
+        agreement = check_greedy_agreement(output.outputs[0].token_ids, reference.tokens, reference, f"{what}, prompt {i}")
         assert agreement.error is None, agreement.error
 
 
@@ -313,9 +313,9 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties(family, refs, bf16_eng
     outputs = bf16_engine(family).generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
     compared = 0
     for i, (prompt, output, reference) in enumerate(zip(PROMPTS, outputs, references)):
-        assert output.prompt_token_ids == prompt and output.finish_reason == "length"
+        assert output.prompt_token_ids == prompt and output.outputs[0].finish_reason == "length"
         what = f"{family}, prompt {i}"
-        agreement = check_greedy_agreement(output.output_token_ids, reference.tokens, reference, what)
+        agreement = check_greedy_agreement(output.outputs[0].token_ids, reference.tokens, reference, what)
         assert agreement.error is None, agreement.error
         compared += agreement.compared
     # Near ties are rare (gaps below the tolerance at ~15-20% of positions, and only some of those
@@ -467,14 +467,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs, filters):
     ]
     mine = PROMPTS[3]
     with engine(model_dirs["mistral"], dtype="float32", max_num_seqs=8) as llm:
-        alone = llm.generate([mine], seeded, use_tqdm=False)[0].output_token_ids
+        alone = llm.generate([mine], seeded, use_tqdm=False)[0].outputs[0].token_ids
         crowd = [PROMPTS[0], PROMPTS[5], mine, PROMPTS[6], PROMPTS[1]]
         crowded = llm.generate(crowd, others[:2] + [seeded] + others[2:], use_tqdm=False)
         twins = llm.generate([mine, PROMPTS[4], mine], [seeded, others[2], seeded], use_tqdm=False)
-        reseeded = llm.generate([mine], dataclasses.replace(seeded, seed=99), use_tqdm=False)[0].output_token_ids
+        reseeded = llm.generate([mine], dataclasses.replace(seeded, seed=99), use_tqdm=False)[0].outputs[0].token_ids
     assert len(alone) == 24
-    assert crowded[2].output_token_ids == alone
-    assert twins[0].output_token_ids == twins[2].output_token_ids == alone
+    assert crowded[2].outputs[0].token_ids == alone
+    assert twins[0].outputs[0].token_ids == twins[2].outputs[0].token_ids == alone
     assert reseeded != alone
 
 
@@ -499,11 +499,11 @@ def test_async_scheduling_matches_the_synchronous_loop(model_dirs):
         assert planned_ahead.engine.config.scheduler_config.async_scheduling
         outputs = planned_ahead.generate(prompts, params, use_tqdm=False)
         assert not planned_ahead.engine.in_flight
-    assert [(o.output_token_ids, o.finish_reason) for o in outputs] == [
-        (o.output_token_ids, o.finish_reason) for o in expected
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs] == [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in expected
     ]
-    stopped = [o for o in expected if o.finish_reason == "stop"]
-    assert len(stopped) >= 5 and all(len(o.output_token_ids) <= 3 for o in stopped)
+    stopped = [o for o in expected if o.outputs[0].finish_reason == "stop"]
+    assert len(stopped) >= 5 and all(len(o.outputs[0].token_ids) <= 3 for o in stopped)
 
 
 # -- start-up compilation -----------------------------------------------------------------------
@@ -539,7 +539,7 @@ def test_step_inputs_survive_a_gpu_that_runs_behind(model_dirs, refs):
     with engine(
         model_dirs[family], dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False
     ) as llm:
-        undisturbed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].output_token_ids
+        undisturbed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
         executor = llm.engine.executor
         execute = executor.execute_model
 
@@ -548,7 +548,7 @@ def test_step_inputs_survive_a_gpu_that_runs_behind(model_dirs, refs):
             return execute(plan)
 
         executor.execute_model = behind
-        delayed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].output_token_ids
+        delayed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     for what, tokens in (("undisturbed", undisturbed), ("GPU behind the host", delayed)):
         agreement = check_greedy_agreement(tokens, reference.tokens, reference, what)
         assert agreement.error is None, agreement.error

@@ -70,7 +70,7 @@ def test_start_up_steps_run_on_cpu_and_write_no_kv(tmp_path):
             layer.kv_cache = cache
             cache[:, 0].zero_()  # the null block
         output = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
-        assert len(output[0].output_token_ids) == 2
+        assert len(output[0].outputs[0].token_ids) == 2
 
 
 def test_fetched_tokens_reach_the_persistent_batch_at_the_next_step(tmp_path):

@@ -71,7 +71,7 @@ def test_greedy_matches_transformers(models, shape, backend):
               max_num_batched_tokens=16, max_num_seqs=2, block_size=8)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True),
                            use_tqdm=False)
-    assert [output.output_token_ids for output in outputs] == expected
+    assert [output.outputs[0].token_ids for output in outputs] == expected
 
 
 def test_explicit_backend_that_cannot_serve_the_head_size_is_refused(tmp_path):

@@ -384,4 +384,4 @@ def test_rope_scaling_serves_the_context_vllm_derives(tmp_path, family, override
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
     with LLM(model=str(path), device="cpu", attention_backend="sdpa", block_size=8) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert out[0].output_token_ids == expected.tolist()
+    assert out[0].outputs[0].token_ids == expected.tolist()

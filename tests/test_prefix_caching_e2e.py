@@ -117,7 +117,7 @@ def test_preemption_does_not_change_outputs(family, model_dirs):
     preempted = tight.generate(PREEMPT_PROMPTS, params, use_tqdm=False)
     assert log.preempted, "the tight cache must force preemption"
     assert token_ids(preempted) == token_ids(roomy.generate(PREEMPT_PROMPTS, params, use_tqdm=False))
-    assert all(len(o.output_token_ids) == 24 for o in preempted)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in preempted)
     check_all_free(tight.engine.scheduler)
 
 

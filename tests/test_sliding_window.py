@@ -64,7 +64,7 @@ def test_request_longer_than_the_cache_matches_transformers(model_dirs, hf_greed
     with _llm(path, num_blocks, TraceConfig(sink, level="block"), **overrides) as llm:
         [output] = llm.generate([PROMPT], SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True),
                                 use_tqdm=False)
-    assert output.output_token_ids == hf_greedy[family]
+    assert output.outputs[0].token_ids == hf_greedy[family]
 
     # The blocks it held at every moment, in the order the trace recorded them.
     held = peak = largest_step = 0

@@ -37,11 +37,11 @@ def test_two_threads_share_one_llm(model_dir, expected):  # noqa: F811
                 counts["calls"] += 1
                 for i, output in zip(chosen, outputs):
                     want = expected[i]
-                    if output.finish_reason == "abort":
+                    if output.outputs[0].finish_reason == "abort":
                         counts["aborted"] += 1
-                        want = want[: len(output.output_token_ids)]
-                    if output.output_token_ids != want:
-                        errors.append(f"prompt {i}: {output.output_token_ids} != {want}")
+                        want = want[: len(output.outputs[0].token_ids)]
+                    if output.outputs[0].token_ids != want:
+                        errors.append(f"prompt {i}: {output.outputs[0].token_ids} != {want}")
         except BaseException as error:  # noqa: BLE001  (reported to the main thread)
             errors.append(repr(error))
 

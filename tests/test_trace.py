@@ -97,7 +97,7 @@ def test_one_event_per_step_with_the_schema(model_dir):
     hits = sum(s["prefix_cache_hit_tokens"] for s in steps)
     assert hits == sum(o.num_cached_tokens for o in outputs) > 0
     assert sum(s["num_prefill_tokens"] for s in steps) == sum(len(p) for p in PROMPTS) - hits
-    assert sum(s["num_decode_tokens"] for s in steps) == sum(len(o.output_token_ids) - 1 for o in outputs)
+    assert sum(s["num_decode_tokens"] for s in steps) == sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
     assert sum(s["prefix_cache_query_tokens"] for s in steps) == sum(len(p) for p in PROMPTS)
     # The trace ends when the LLM shuts down, with the cache after the last frees: nothing held,
     # the prefixes still cached.
@@ -314,13 +314,13 @@ def test_abort_through_llm(model_dir):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert sink.accepted == [True, True, False]
     running, waiting = outputs[1], outputs[5]
-    assert running.finish_reason == waiting.finish_reason == "abort"
-    assert 0 < len(running.output_token_ids) < GREEDY.max_tokens
-    assert running.output_token_ids == expected[1].output_token_ids[: len(running.output_token_ids)]
-    assert waiting.output_token_ids == []
+    assert running.outputs[0].finish_reason == waiting.outputs[0].finish_reason == "abort"
+    assert 0 < len(running.outputs[0].token_ids) < GREEDY.max_tokens
+    assert running.outputs[0].token_ids == expected[1].outputs[0].token_ids[: len(running.outputs[0].token_ids)]
+    assert waiting.outputs[0].token_ids == []
     for i in (0, 2, 3, 4):  # the others complete unchanged
-        assert outputs[i].finish_reason == "length"
-        assert outputs[i].output_token_ids == expected[i].output_token_ids
+        assert outputs[i].outputs[0].finish_reason == "length"
+        assert outputs[i].outputs[0].token_ids == expected[i].outputs[0].token_ids
     kv = llm.engine.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks
     aborts = [e for e in sink.events if e["event"] == "abort"]
@@ -337,7 +337,7 @@ def test_aborting_every_request_ends_generate(model_dir):
     with _llm(model_dir, sink) as llm:
         box.append(llm)
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.finish_reason for o in outputs] == ["abort"] * len(PROMPTS)
+        assert [o.outputs[0].finish_reason for o in outputs] == ["abort"] * len(PROMPTS)
         assert len(_steps(sink.events)) == 1  # no step runs once nothing is left
         kv = llm.engine.scheduler.kv_cache_manager
         assert kv.num_free_blocks == kv.num_usable_blocks
@@ -358,8 +358,8 @@ def test_abort_from_another_thread(model_dir):
     aborter.start()
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
     aborter.join()
-    assert outputs[0].finish_reason == "abort" and len(outputs[0].output_token_ids) < 40
-    assert [o.finish_reason for o in outputs[1:]] == ["length", "length"]
+    assert outputs[0].outputs[0].finish_reason == "abort" and len(outputs[0].outputs[0].token_ids) < 40
+    assert [o.outputs[0].finish_reason for o in outputs[1:]] == ["length", "length"]
     llm.shutdown()
 
 

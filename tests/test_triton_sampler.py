@@ -196,12 +196,12 @@ def test_the_runner_path_keeps_seeded_requests_independent_of_the_batch(tmp_path
     runs = []
     for _ in range(2):
         with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4, custom_ops=["+sampler"]) as llm:
-            alone = llm.generate([prompts[2]], seeded, use_tqdm=False)[0].output_token_ids
-            greedy_alone = llm.generate([prompts[0]], greedy, use_tqdm=False)[0].output_token_ids
+            alone = llm.generate([prompts[2]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+            greedy_alone = llm.generate([prompts[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
             crowd = llm.generate(prompts, [greedy, unseeded, seeded, unseeded], use_tqdm=False)
-            runs.append([o.output_token_ids for o in crowd])
-        assert crowd[2].output_token_ids == alone
-        assert crowd[0].output_token_ids == greedy_alone
+            runs.append([o.outputs[0].token_ids for o in crowd])
+        assert crowd[2].outputs[0].token_ids == alone
+        assert crowd[0].outputs[0].token_ids == greedy_alone
     assert runs[0] == runs[1]  # the engine seed (0) fixes the unseeded rows too
 
 

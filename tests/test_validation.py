@@ -31,6 +31,12 @@ BAD_SAMPLING_VALUES = {
     "seed": [-1, 2**63, True, 1.5, "7"],
     "ignore_eos": [1, 0, "yes", None],
     "stop_token_ids": [5, "5", b"\x05", [-1], [True], [1.0], None],
+    "stop": ["", [""], ["ok", ""], 5, b"x", ["a", 3], [None]],
+    "include_stop_str_in_output": [1, None, "yes"],
+    "skip_special_tokens": [0, None],
+    "spaces_between_special_tokens": [1, "no"],
+    "detokenize": [0, None],
+    "output_kind": [0, 2, "DELTA", "FINAL_ONLY", None],
 }
 
 # (config class, field) -> values it must refuse; every field of every config appears.
@@ -121,6 +127,17 @@ def test_tiny_temperature_is_raised_to_the_minimum_with_a_warning(caplog):
     assert "temperature=1e-40" in caplog.text
 
 
+def test_stop_strings_are_kept_as_a_tuple():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop=None).stop == ()
+
+
+def test_stop_strings_need_detokenize():
+    with pytest.raises(ValueError, match=r"stop=\['x'\] is not allowed with detokenize=False"):
+        SamplingParams(stop="x", detokenize=False)
+
+
 def test_numpy_values_are_taken_as_python_numbers():
     params = SamplingParams(max_tokens=np.int64(3), top_k=np.int32(5), seed=np.uint64(7),
                             temperature=np.float32(0.5), stop_token_ids=np.array([1, 2]))
@@ -187,7 +204,7 @@ def make_llm(path) -> LLM:
 
 def tokens(llm: LLM) -> list[list[int]]:
     outputs = llm.generate(GOOD_PROMPTS, [GREEDY, SEEDED], use_tqdm=False)
-    return [o.output_token_ids for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +305,7 @@ def test_numpy_prompts_are_token_ids(llm, fresh_tokens):
     as_numpy = [np.array(GOOD_PROMPTS[0]), {"prompt_token_ids": [np.int32(t) for t in GOOD_PROMPTS[0]]}]
     outputs = llm.generate(as_numpy, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == [GOOD_PROMPTS[0]] * 2
-    assert [o.output_token_ids for o in outputs] == [fresh_tokens[0]] * 2  # GOOD_PROMPTS[0], greedy
+    assert [o.outputs[0].token_ids for o in outputs] == [fresh_tokens[0]] * 2  # GOOD_PROMPTS[0], greedy
 
 
 def test_extreme_allowed_values_run(llm):
@@ -297,7 +314,7 @@ def test_extreme_allowed_values_run(llm):
                SamplingParams(max_tokens=3, seed=0, temperature=FLOAT32_MAX, top_p=1e-30, ignore_eos=True),
                SamplingParams(max_tokens=2**100, temperature=0.01, stop_token_ids=[2**62])]
     outputs = llm.generate([GOOD] * 3, extreme, use_tqdm=False)
-    assert [len(o.output_token_ids) for o in outputs[:2]] == [3, 3]
+    assert [len(o.outputs[0].token_ids) for o in outputs[:2]] == [3, 3]
 
 
 # -- files -------------------------------------------------------------------------------------

@@ -18,16 +18,18 @@ _EXPORTS = {
     "SchedulerConfig": "micro_vllm.config",
     "CacheConfig": "micro_vllm.config",
     "SamplingParams": "micro_vllm.sampling.params",
+    "RequestOutputKind": "micro_vllm.sampling.params",
     "RequestOutput": "micro_vllm.engine.output",
+    "CompletionOutput": "micro_vllm.engine.output",
     "TraceConfig": "micro_vllm.trace",
 }
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from micro_vllm.config import CacheConfig, LLMConfig, ModelConfig, SchedulerConfig
-    from micro_vllm.engine.output import RequestOutput
+    from micro_vllm.engine.output import CompletionOutput, RequestOutput
     from micro_vllm.llm import LLM
-    from micro_vllm.sampling.params import SamplingParams
+    from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
     from micro_vllm.trace import TraceConfig
 
 

@@ -55,8 +55,9 @@ def _generate(args) -> int:
         else:
             outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for prompt, output in zip(args.prompt, outputs):
-        print(f"prompt: {prompt!r}\noutput: {output.output_text!r}  [{output.finish_reason}, "
-              f"{len(output.output_token_ids)} tokens]")
+        completion = output.outputs[0]
+        print(f"prompt: {prompt!r}\noutput: {completion.text!r}  [{completion.finish_reason}, "
+              f"{len(completion.token_ids)} tokens]")
     return 0
 
 

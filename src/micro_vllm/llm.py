@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import threading
@@ -14,7 +15,7 @@ from tqdm.auto import tqdm
 from micro_vllm.config import LLMConfig
 from micro_vllm.engine.engine import Engine, PromptType
 from micro_vllm.engine.output import RequestOutput
-from micro_vllm.sampling.params import SamplingParams
+from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.validation import reject, short_repr
 
 
@@ -221,10 +222,12 @@ def _as_prompt_list(prompts) -> list[PromptType]:
 
 
 def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each with ``output_kind=FINAL_ONLY`` (as in vLLM's
+    ``LLM.generate``: it returns finished outputs only, so nothing needs streaming)."""
     if sampling_params is None:
-        return [SamplingParams()] * n
+        return [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)] * n
     if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
+        return [_final_only(sampling_params)] * n
     if isinstance(sampling_params, Mapping) or not isinstance(sampling_params, Iterable):
         raise reject("sampling_params", sampling_params, "a SamplingParams or a list of them", TypeError)
     params = list(sampling_params)
@@ -232,7 +235,14 @@ def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
         raise ValueError(
             f"sampling_params has {len(params)} entries for {n} prompts; give one SamplingParams or one per prompt"
         )
-    return params
+    final_only = {id(p): _final_only(p) for p in params if isinstance(p, SamplingParams)}  # once per object
+    return [final_only.get(id(p), p) for p in params]  # the engine names what is not a SamplingParams
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _as_conversations(messages) -> list[list[dict[str, str]]]:

@@ -47,6 +47,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0  # advanced when a step is scheduled, not when it returns
         self.num_output_placeholders = 0  # sampled in a step still in flight

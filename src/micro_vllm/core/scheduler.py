@@ -244,8 +244,12 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
         last = request.all_token_ids[-1]
-        if last in params.stop_token_ids or (not params.ignore_eos and last in request.eos_token_ids):
+        if not params.ignore_eos and last in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
             return True
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -166,3 +166,25 @@ def _prompt_context(tokenizer: Tokenizer, prompt: list[int]) -> list[int]:
         if not tokenizer.decode(prompt[-n:]).endswith(REPLACEMENT_CHAR):
             return prompt[-n:]
     return []
+
+
+def decode_output(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    *,
+    skip_special_tokens: bool = True,
+) -> str:
+    """The text an ``IncrementalDetokenizer`` without stop strings holds after ``output_token_ids``,
+    from one decode: what the output adds to the prompt's last few tokens, up to its last token after
+    which the text is whole (usually the last token, so one decode)."""
+    backend = tokenizer.backend_tokenizer
+    skipped = _special_token_ids(backend) if skip_special_tokens else frozenset()
+    context = _prompt_context(backend, [t for t in prompt_token_ids[-_MAX_PROMPT_CONTEXT_TOKENS:] if t not in skipped])
+    prefix = backend.decode(context, skip_special_tokens=skip_special_tokens)
+    output = list(output_token_ids)
+    for end in range(len(output), 0, -1):
+        text = backend.decode(context + output[:end], skip_special_tokens=skip_special_tokens)
+        if not text.endswith(REPLACEMENT_CHAR):
+            return text[len(prefix):]
+    return ""

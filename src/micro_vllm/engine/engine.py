@@ -1,4 +1,4 @@
-"""The request lifecycle: validate and tokenize, add, step, abort, detokenize.
+"""The request lifecycle: validate and tokenize, add, step, abort; outputs through the OutputProcessor.
 
 The Engine wires the layers together once (model, KV cache sizing, scheduler) and then runs the
 step loop: plan -> execute -> update. It owns no scheduling or device logic itself.
@@ -26,13 +26,14 @@ from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.core.scheduler import Scheduler
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.engine.output import RequestOutput
+from micro_vllm.engine.output_processor import OutputProcessor
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
 from micro_vllm.metrics.stats import SchedulerStats
 from micro_vllm.model_loader.checkpoint import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
-from micro_vllm.outputs import AsyncModelRunnerOutput
+from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
 from micro_vllm.trace.events import RunInfo
@@ -70,7 +71,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
         self.in_flight: deque[AsyncModelRunnerOutput] = deque()
         self._in_step = False  # set while a step runs; still set after a failed step's rollback failed
-        self.prompts: dict[str, str | None] = {}
+        self.prompts: dict[str, str | None] = {}  # made requests' prompt texts, until they are added
+        self.output_processor = OutputProcessor(self.tokenizer)
         if self.tracer is not None:
             self.tracer.record_start(self._run_info(), self.scheduler.stats)
 
@@ -88,6 +90,8 @@ class Engine:
             raise ValueError(
                 f"prompt_token_ids contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={list(params.stop)!r} is not allowed: this model has no tokenizer to make text")
         request = Request(request_id, token_ids, params, self.eos_token_ids)
         self.scheduler.check_fits(request)
         self.prompts[request_id] = text
@@ -97,6 +101,7 @@ class Engine:
         self._finish_rollback()
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
+        self.output_processor.add_request(request, self.prompts.pop(request.request_id, None))
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -106,7 +111,7 @@ class Engine:
             return None
         if self.tracer is not None:
             self.tracer.record_abort(request_id, self.scheduler.make_stats())
-        return self._make_output(aborted[0])
+        return self.output_processor.finish(aborted)[0]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -123,7 +128,9 @@ class Engine:
     # -- the step loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Launch one step and apply the results that are due; return the requests that finished.
+        """Launch one step and apply the results that are due; return the outputs they make: one for
+        each request that finished, and one for each streaming request (``output_kind`` CUMULATIVE or
+        DELTA) that got new tokens.
 
         If anything raises inside the step, every unfinished request is aborted without an output
         (``abort_all_requests``) and the exception propagates; the engine stays usable."""
@@ -146,6 +153,7 @@ class Engine:
         the runner forgets every request too. What a failed step does: afterwards nothing runs,
         every KV block is free, and the engine gives a fresh engine's outputs."""
         self.prompts.clear()
+        self.output_processor.clear()
         if not (self._in_step or self.in_flight or self.scheduler.has_unfinished_requests()):
             return  # nothing ran since the last step completed: nothing to roll back
         self.in_flight.clear()
@@ -177,17 +185,25 @@ class Engine:
         self.in_flight.append(self.executor.execute_model(plan))
         # Async: the step just launched stays in flight unless it is empty or nothing is left to wait for.
         keep = 1 if self.config.scheduler_config.async_scheduling and not plan.is_empty else 0
-        finished = []
+        outputs = []
         while self.in_flight and (len(self.in_flight) > keep or not self.scheduler.has_unfinished_requests()):
-            finished += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
-        return [self._make_output(r) for r in finished]
+            outputs += self._apply(self.in_flight.popleft().get_output())
+        return outputs
+
+    def _apply(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Apply one step's sampled tokens: the scheduler ends requests at stop tokens and lengths,
+        the output processor at stop strings, and the outputs are made."""
+        finished = self.scheduler.update_from_output(runner_output)
+        outputs, stopped = self.output_processor.process_step(runner_output.req_ids)
+        finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs + self.output_processor.finish(finished)
 
     def _traced_step(self, tracer: Tracer) -> list[RequestOutput]:
         started = tracer.clock()
         plan = self.scheduler.schedule()
         stats = self.scheduler.stats  # made with the plan, while this step's blocks are held
         outputs = self._execute(plan)
-        tracer.record_step(plan, stats, started, [o.request_id for o in outputs])
+        tracer.record_step(plan, stats, started, [o.request_id for o in outputs if o.finished])
         return outputs
 
     def _run_info(self) -> RunInfo:
@@ -220,19 +236,6 @@ class Engine:
         if isinstance(prompt, _TOKEN_ID_SEQUENCES):
             return None, _token_ids(prompt)
         raise reject("prompt", prompt, _PROMPT_FORMS, TypeError)
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        output_ids = request.output_token_ids
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True) if self.tokenizer else ""
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=self.prompts.pop(request.request_id, None),
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=output_ids,
-            output_text=text,
-            finish_reason=request.finish_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
 
 
 _PROMPT_FORMS = "a string, a list of token ids, or a dict with 'prompt_token_ids' or 'prompt'"

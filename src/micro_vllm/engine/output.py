@@ -1,4 +1,5 @@
-"""What a finished request looks like to the user."""
+"""What a request looks like to the user, in vLLM's shape: one ``RequestOutput`` per request, holding
+one ``CompletionOutput`` per generated sequence (always one here: ``n`` is 1)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,34 @@ from dataclasses import dataclass
 
 
 @dataclass
+class CompletionOutput:
+    """One generated sequence. ``finish_reason`` is "stop" (EOS, a stop token or a stop string),
+    "length" (``max_tokens`` or ``max_model_len``) or "abort", and None while it runs;
+    ``stop_reason`` is the stop string or stop token id that ended it, None for EOS or any other end.
+    Logprobs are not computed yet: ``cumulative_logprob`` and ``logprobs`` are None."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
+    """A request's output: the whole of it, or with ``RequestOutputKind.DELTA`` what is new since the
+    last one. ``prompt`` is None for a prompt given as token ids; ``prompt_logprobs`` is not computed
+    yet (None); ``num_cached_tokens`` counts the prompt tokens served by the prefix cache."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    output_text: str
-    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
-    finished: bool = True
+    prompt_logprobs: None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int

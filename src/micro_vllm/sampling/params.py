@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +28,15 @@ logger = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-2
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs ``Engine.step`` returns for a request (vLLM's names): the whole output so far at
+    every step that adds tokens, only what each such step adds, or one output when it finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, validated on construction.
@@ -34,6 +44,13 @@ class SamplingParams:
     ``temperature=0`` means greedy; a positive temperature below 0.01 is raised to 0.01. ``top_k`` of
     0 or -1 and ``top_p=1`` turn those filters off (a ``top_k`` beyond the vocabulary keeps every
     token). A ``seed`` makes the request's samples reproducible whatever else shares its batch.
+
+    A request stops at EOS (unless ``ignore_eos``), at any of ``stop_token_ids``, or where its text
+    first contains any of the ``stop`` strings; the text is cut before the stop string, or after it
+    with ``include_stop_str_in_output``. ``skip_special_tokens`` leaves special tokens out of the
+    text; ``spaces_between_special_tokens`` is accepted for vLLM's sake and changes nothing (the
+    detokenizer's docstring says why); ``detokenize=False`` gives token ids only (and no stop
+    strings). ``output_kind`` says what ``Engine.step`` streams; ``LLM.generate`` uses FINAL_ONLY.
     """
 
     max_tokens: int = 16
@@ -43,6 +60,12 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         check_field(self, "max_tokens", check_int, 1, None)
@@ -53,6 +76,15 @@ class SamplingParams:
         check_field(self, "seed", check_optional_int, 0, INT64_MAX)
         check_field(self, "ignore_eos", check_bool)
         check_field(self, "stop_token_ids", _stop_token_ids)
+        check_field(self, "stop", _stop_strings)
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+            check_field(self, name, check_bool)
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop={list(self.stop)!r} is not allowed with detokenize=False; stop strings are matched on the text"
+            )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise reject("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
 
     @property
     def greedy(self) -> bool:
@@ -75,3 +107,15 @@ def _stop_token_ids(name: str, value: object) -> tuple[int, ...]:
     if not all(is_int(t) and t >= 0 for t in ids):
         raise reject(name, value, allowed)
     return tuple(int(t) for t in ids)
+
+
+def _stop_strings(name: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    allowed = "None, a non-empty string, or a list of non-empty strings"
+    if isinstance(value, bytes) or not isinstance(value, Iterable):
+        raise reject(name, value, allowed)
+    stops = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise reject(name, value, allowed)
+    return stops

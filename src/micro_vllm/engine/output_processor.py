@@ -1,0 +1,121 @@
+"""From the scheduler's requests to the user's ``RequestOutput``s: text, stop strings, streaming.
+
+Each request has a ``RequestState`` (vLLM's name). One that streams (``output_kind`` CUMULATIVE or
+DELTA) or has stop strings gets an ``IncrementalDetokenizer``, fed each step's new tokens: a stop
+string it finds ends the request, and a streaming request gets an output at every step that gives
+it tokens. A FINAL_ONLY request without stop strings is decoded once when it finishes, to the same
+text (see ``decode_output``), so the default path does no work per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from micro_vllm.core.request import Request, RequestStatus
+from micro_vllm.engine.detokenizer import IncrementalDetokenizer, decode_output
+from micro_vllm.engine.output import CompletionOutput, RequestOutput
+from micro_vllm.sampling.params import RequestOutputKind
+
+
+class RequestState:
+    def __init__(self, request: Request, prompt: str | None, tokenizer) -> None:
+        params = request.sampling_params
+        self.request = request
+        self.prompt = prompt
+        self.tokenizer = tokenizer
+        self.output_kind = params.output_kind
+        self.detokenizer: IncrementalDetokenizer | None = None
+        if params.stop or self.output_kind is not RequestOutputKind.FINAL_ONLY:
+            self.detokenizer = IncrementalDetokenizer(
+                tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                detokenize=params.detokenize,
+            )
+        self.num_sent_tokens = 0  # output tokens the DELTA outputs have given out
+
+    def update(self) -> str | None:
+        """Feed the detokenizer the request's new tokens; return the stop string it found, if any."""
+        request, detokenizer = self.request, self.detokenizer
+        new_token_ids = request.all_token_ids[request.num_prompt_tokens + len(detokenizer.token_ids):]
+        return detokenizer.update(new_token_ids, stop_terminated=request.status == RequestStatus.FINISHED_STOPPED)
+
+    def make_output(self) -> RequestOutput:
+        request = self.request
+        finished = request.is_finished
+        if self.detokenizer is None:
+            token_ids = request.output_token_ids
+            text = self._decode_once(token_ids)
+        else:
+            delta = self.output_kind is RequestOutputKind.DELTA
+            all_token_ids = self.detokenizer.token_ids
+            token_ids = all_token_ids[self.num_sent_tokens if delta else 0:]
+            self.num_sent_tokens = len(all_token_ids)
+            text = self.detokenizer.get_next_output_text(finished, delta)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=token_ids, cumulative_logprob=None, logprobs=None,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id, prompt=self.prompt, prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=None, outputs=[completion], finished=finished,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _decode_once(self, token_ids: list[int]) -> str:
+        params = self.request.sampling_params
+        if self.tokenizer is None or not params.detokenize:
+            return ""
+        if self.request.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]  # the EOS or stop token that ended it is not part of the text
+        return decode_output(self.tokenizer, self.request.prompt_token_ids, token_ids,
+                             skip_special_tokens=params.skip_special_tokens)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.detokenized: dict[str, RequestState] = {}  # the states updated at every step
+
+    def add_request(self, request: Request, prompt: str | None) -> None:
+        state = RequestState(request, prompt, self.tokenizer)
+        self.states[request.request_id] = state
+        if state.detokenizer is not None:
+            self.detokenized[request.request_id] = state
+
+    def process_step(self, req_ids: Iterable[str]) -> tuple[list[RequestOutput], list[str]]:
+        """Detokenize the step's new tokens. Returns the outputs of the streaming requests that go
+        on, and the ids of the running requests that a stop string ended (the engine finishes them)."""
+        if not self.detokenized:
+            return [], []
+        outputs, stopped = [], []
+        for req_id in req_ids:
+            state = self.detokenized.get(req_id)
+            if state is None:
+                continue
+            request = state.request
+            if request.num_output_tokens == len(state.detokenizer.token_ids):
+                continue  # no token this step: a prompt chunk, or dropped after the request ended
+            stop = state.update()
+            if stop is not None:
+                request.stop_reason = stop
+                if request.is_finished:  # capped by length in the same step: the stop string came first
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    stopped.append(req_id)
+            elif not request.is_finished and state.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(state.make_output())
+        return outputs, stopped
+
+    def finish(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """The final outputs of finished requests, whose states are then dropped."""
+        outputs = []
+        for request in requests:
+            state = self.states.pop(request.request_id)
+            self.detokenized.pop(request.request_id, None)
+            outputs.append(state.make_output())
+        return outputs
+
+    def clear(self) -> None:
+        self.states.clear()
+        self.detokenized.clear()
