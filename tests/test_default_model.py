@@ -69,6 +69,7 @@ def test_llm_answers_paris_and_matches_transformers(model_dir: Path) -> None:
         [output] = llm.chat(messages, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
     assert "Paris" in output.outputs[0].text, output.outputs[0].text
     assert output.outputs[0].finish_reason == "stop"
+    assert output.outputs[0].stop_reason is None  # EOS, not a stop token or string
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         expected = model.generate(torch.tensor([output.prompt_token_ids]), max_new_tokens=20, do_sample=False)
