@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from micro_vllm.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from micro_vllm.model_loader.default_model import DefaultModelUnavailable, default_model_path
+from micro_vllm.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode_output
+from micro_vllm.model_loader.default_model_download import DefaultModelUnavailable, default_model_path
 
 PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -168,6 +168,8 @@ def test_streamed_text_is_the_decoded_text(tokenizer, data, skip_special_tokens)
     deltas, stop = stream(detokenizer, output, data.draw(chunks_for(len(output))))
     expected = reference_text(tokenizer, prompt, output, skip_special_tokens)
     assert stop is None and "".join(deltas) == detokenizer.output_text == expected
+    # A request that neither streams nor has stop strings is decoded once at the end, to the same text.
+    assert decode_output(tokenizer, prompt, output, skip_special_tokens=skip_special_tokens) == expected
     assert detokenizer.output_token_ids == output
     assert not any(d.endswith(REPLACEMENT_CHAR) for d in deltas)  # never half a character
     if is_byte_level(tokenizer):  # no leading-space rule: the output's own decode
