@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from core_helpers import check_all_free
-from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
+from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, RequestOutputKind, SamplingParams, SchedulerConfig
 from tiny_models import FAMILIES, load_hf_reference, make_tiny_model
 
 NUM_NEW_TOKENS = 32
@@ -162,3 +162,66 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(budget, model_dirs):
     assert runs[0] == runs[1]
     assert runs[0][0] == (free[0].outputs[0].token_ids[:3], "stop")
     assert [len(tokens) for tokens, _ in runs[0][:4]] == [3, 9, 12, 5]
+
+
+def _stream(engine, prompts, params):
+    """Every output ``Engine.step`` gives for the prompts, per request, until all finish."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(engine.make_request(f"s{i}", prompt, p))
+    outputs = {f"s{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    return list(outputs.values())
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_stop_strings_end_requests_mid_flight(async_scheduling, model_dirs):
+    """A stop string ends a request at the step that completes it: with async scheduling the step
+    planned after it is dropped, as after a stop token; the others go on, and no block leaks."""
+    llm = _llm(model_dirs["llama"], "sdpa", async_scheduling=async_scheduling)
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    free = [o.outputs[0] for o in llm.generate(PROMPTS, SamplingParams(**greedy), use_tqdm=False)]
+    # A character of the text first seen at least 3 characters in (random bytes: skip U+FFFD).
+    text = free[1].text
+    at = next(i for i, c in enumerate(text) if i >= 3 and c != "\ufffd" and text.index(c) == i)
+    params = [SamplingParams(**greedy, stop=text[at]) if i == 1 else SamplingParams(**greedy) for i in range(4)]
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert (outputs[1].text, outputs[1].finish_reason, outputs[1].stop_reason) == (text[:at], "stop", text[at])
+    assert outputs[1].token_ids == free[1].token_ids[:len(outputs[1].token_ids)] and len(outputs[1].token_ids) < 12
+    assert [(o.token_ids, o.text) for i, o in enumerate(outputs) if i != 1] == [
+        (o.token_ids, o.text) for i, o in enumerate(free) if i != 1]
+    check_all_free(llm.engine.scheduler)
+
+
+def test_streamed_outputs_through_the_engine(model_dirs):
+    """DELTA outputs add up to the FINAL_ONLY one, CUMULATIVE ones are each the whole output so far,
+    and an aborted streaming request gets a last output with ``finish_reason="abort"``."""
+    llm = _llm(model_dirs["llama"], "sdpa")
+    engine = llm.engine
+    kinds = [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, output_kind=k) for k in kinds]
+    final, delta, cumulative = _stream(engine, [PROMPTS[0]] * 3, params)
+    [final] = final
+    assert len(delta) == len(cumulative) == 6 and [o.finished for o in delta] == [False] * 5 + [True]
+    assert [t for o in delta for t in o.outputs[0].token_ids] == final.outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in delta) == final.outputs[0].text
+    tokens = final.outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in cumulative] == [tokens[:i] for i in range(1, 7)]
+    assert [o.outputs[0].finish_reason for o in cumulative] == [None] * 5 + ["length"]
+
+    engine.add_request(engine.make_request("aborted", PROMPTS[0], params[1]))
+    streamed = []
+    while len(streamed) < 2:
+        streamed += engine.step()
+    last = engine.abort_request("aborted")
+    assert last.finished and last.outputs[0].finish_reason == "abort" and not any(o.finished for o in streamed)
+    assert [t for o in streamed + [last] for t in o.outputs[0].token_ids] == tokens[:len(streamed)]
+    check_all_free(engine.scheduler)
+
+
+def test_without_detokenize_only_token_ids(model_dirs):
+    llm = _llm(model_dirs["llama"], "sdpa")
+    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=d) for d in (True, False)]
+    with_text, without = (o.outputs[0] for o in llm.generate([PROMPTS[1]] * 2, params, use_tqdm=False))
+    assert without.token_ids == with_text.token_ids and without.text == "" and with_text.text != ""

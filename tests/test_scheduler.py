@@ -86,8 +86,9 @@ def test_stop_conditions():
     from micro_vllm.outputs import ModelRunnerOutput
     finished = scheduler.update_from_output(ModelRunnerOutput(list(outputs), list(outputs.values())))
     assert {r.request_id: r.finish_reason for r in finished} == {eos.request_id: "stop", stop.request_id: "stop"}
+    assert (eos.stop_reason, stop.stop_reason) == (None, 5)  # vLLM names the stop token, not EOS
     run_to_completion(scheduler)
-    assert capped.finish_reason == "length" and capped.num_tokens == 12
+    assert capped.finish_reason == "length" and capped.num_tokens == 12 and capped.stop_reason is None
 
 
 def test_request_that_can_never_fit_is_refused():
