@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 import micro_vllm
 from core_helpers import FakeRunner, check_all_free, make_request, make_scheduler, token_ids
 from micro_vllm import LLM, SamplingParams
+from micro_vllm.engine import output_processor
 from micro_vllm.worker.model_runner import DeviceStepOutput
 from test_prefix_caching_e2e import one_torch_thread  # noqa: F401  (an autouse fixture)
 from tiny_models import make_tiny_model
@@ -36,7 +37,7 @@ SHARED = [(i * 53 + 7) % 250 for i in range(14)]
 # Shared prefixes (hits within a call and across calls), lengths that cross block boundaries.
 PROMPTS = [SHARED + [1, 2, 3], SHARED + [9], SHARED[:9], [(i * 31) % 250 for i in range(19)], SHARED + [1, 2, 3, 4]]
 PARAMS = [
-    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop="t"),  # detokenized each step; stops at 8
     SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True),
     SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
     SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True),
@@ -85,7 +86,7 @@ def check_nothing_left(llm: LLM) -> None:
     check_all_free(engine.scheduler)
     assert not engine.scheduler.finished_req_ids
     assert not engine.scheduler.kv_cache_manager.unconfirmed
-    assert not engine.in_flight and not engine.prompts
+    assert not engine.in_flight and not engine.prompts and not engine.output_processor.states
     runner = engine.executor.worker.model_runner
     assert len(runner.input_batch) == 0 and not runner.input_batch.row_of
     assert runner.last_output is None
@@ -118,13 +119,14 @@ def stage_target(llm: LLM, stage: str):
         "sampler": (runner, "sample"),
         "get_output": (DeviceStepOutput, "get_output"),
         "update_from_output": (engine.scheduler, "update_from_output"),
-        "make_output": (engine, "_make_output"),  # detokenization
-        "tokenizer_decode": (engine.tokenizer, "decode"),
+        "process_step": (engine.output_processor, "process_step"),  # stop strings and streaming
+        "make_output": (engine.output_processor, "finish"),
+        "decode": (output_processor, "decode_output"),  # detokenization at the end
     }[stage]
 
 
 STAGES = ("schedule", "allocate_slots", "update_states", "prepare_inputs", "layer_0", "layer_1", "sampler",
-          "get_output", "update_from_output", "make_output", "tokenizer_decode")
+          "get_output", "update_from_output", "process_step", "make_output", "decode")
 
 
 @settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
