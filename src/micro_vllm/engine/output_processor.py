@@ -18,6 +18,9 @@ from micro_vllm.sampling.params import RequestOutputKind
 
 
 class RequestState:
+    """One request's side of the outputs: its prompt text, its detokenizer (if it needs one per
+    step) and how much of it the DELTA outputs have given out."""
+
     def __init__(self, request: Request, prompt: str | None, tokenizer) -> None:
         params = request.sampling_params
         self.request = request
@@ -72,6 +75,8 @@ class RequestState:
 
 
 class OutputProcessor:
+    """The states of the engine's requests, from ``add_request`` until ``finish`` makes their last output."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
