@@ -156,7 +156,8 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(budget, model_dirs):
     runs = []
     for async_scheduling in (True, False):
         llm = _llm(path, "sdpa", max_num_batched_tokens=budget, async_scheduling=async_scheduling)
-        runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(PROMPTS * 2, params * 2, use_tqdm=False)])
+        outputs = llm.generate(PROMPTS * 2, params * 2, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs])
         check_all_free(llm.engine.scheduler)
         assert not llm.engine.in_flight
     assert runs[0] == runs[1]

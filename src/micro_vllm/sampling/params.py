@@ -77,7 +77,8 @@ class SamplingParams:
         check_field(self, "ignore_eos", check_bool)
         check_field(self, "stop_token_ids", _stop_token_ids)
         check_field(self, "stop", _stop_strings)
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
             check_field(self, name, check_bool)
         if self.stop and not self.detokenize:
             raise ValueError(
