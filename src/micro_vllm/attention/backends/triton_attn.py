@@ -68,7 +68,7 @@ _MAX_SPLITS = 16
 _MIN_SPLIT_KEYS = 512
 _MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension, where the query blocks are
 # A program holds a [BLOCK_M, head size] fp32 accumulator and K/V tiles of the head size: past 256
-# they no longer fit an SM's registers and shared memory (tests/hopper_compile.py compiles 256).
+# they no longer fit an SM's registers and shared memory (tests/helpers/hopper_compile.py compiles 256).
 _MAX_HEAD_SIZE = 256
 
 
@@ -414,7 +414,7 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     if max_query_len != 1 or device.type != "cuda":
         return 1
     # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of K/V
-    # tiles in shared memory, by tests/hopper_compile.py), rounding the share of each pair up: with
+    # tiles in shared memory, by tests/helpers/hopper_compile.py), rounding the share of each pair up: with
     # 2 * SMs or more (request, KV head) pairs, splitting only adds the merge. On the H200 eight per
     # SM was slower at 8 requests (20.0 against 15.2 us per layer); two splits were slower at 64, 128
     # and 256 requests and faster at 32, where 256 pairs fall just short of 264 (55.3 against 57.7
@@ -443,7 +443,7 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
     """
     if max_query_len * group <= 16:  # then max_query_len <= 16 // group, the tile's query tokens
         # Heads wider than 128 take half as many keys per step: 128 keys of 256 channels spill
-        # registers on sm_90 (tests/hopper_compile.py).
+        # registers on sm_90 (tests/helpers/hopper_compile.py).
         tile_n = 128 if _head_pad(head_size) <= 128 else 64
         return _Tiles(16, tile_n, 4, 3, one_qblock_per_req=True)
     # 32 keys per step: on the sweep's prefill step 378.3 against 407.5 us for 64 keys (and 384.1
