@@ -12,6 +12,7 @@ from micro_vllm.cli import main
 from micro_vllm.trace import TraceConfig
 from micro_vllm.trace.tools import format_summary, read_trace, summarize, to_chrome_trace
 from helpers.tiny_models import make_tiny_model
+from helpers.trace import ListSink
 
 SHARED = list(range(10, 34))  # three full blocks of 8, shared by every prompt
 PROMPTS = [SHARED + [40 + i] * (3 + 2 * i) for i in range(6)]
