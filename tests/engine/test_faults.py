@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import micro_vllm
-from core_helpers import FakeRunner, check_all_free, make_request, make_scheduler, token_ids
+from helpers.core_helpers import FakeRunner, check_all_free, make_request, make_scheduler, token_ids
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.worker.model_runner import DeviceStepOutput
 from test_prefix_caching_e2e import one_torch_thread  # noqa: F401  (an autouse fixture)
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 
 FAMILY = "qwen3_sliding"  # two KV cache groups, one of them a sliding window
 SHARED = [(i * 53 + 7) % 250 for i in range(14)]

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from core_helpers import check_all_free, token_ids
+from helpers.core_helpers import check_all_free, token_ids
 from micro_vllm import LLM, SamplingParams
 from test_generate import _greedy as transformers_greedy
-from tiny_models import load_hf_reference, make_tiny_model
+from helpers.tiny_models import load_hf_reference, make_tiny_model
 
 # qwen3_sliding has a full-attention layer and a sliding-window layer: two KV cache groups.
 FAMILIES = ("llama", "mistral", "qwen3", "qwen3_sliding")

@@ -4,9 +4,9 @@ transformers, token by token (fp32, CPU, tiny random models)."""
 import pytest
 import torch
 
-from core_helpers import check_all_free
+from helpers.core_helpers import check_all_free
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
-from tiny_models import FAMILIES, load_hf_reference, make_tiny_model
+from helpers.tiny_models import FAMILIES, load_hf_reference, make_tiny_model
 
 NUM_NEW_TOKENS = 32
 # Lengths that cross block boundaries and do not divide by the block size; the budget forces

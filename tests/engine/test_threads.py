@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from core_helpers import check_all_free, token_ids
+from helpers.core_helpers import check_all_free, token_ids
 from micro_vllm import LLM, SamplingParams
 from test_faults import PARAMS, PROMPTS, expected, make_llm, model_dir, one_torch_thread  # noqa: F401  (fixtures)
 
