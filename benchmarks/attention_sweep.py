@@ -14,7 +14,7 @@ shape is checked against the backend's own choice (same outputs up to bf16 round
 CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as the engine runs decodes: timed
 as eager calls, batches of 64 requests or fewer measured the host's launch overhead (2026-11-29).
 Decode reports K/V read in TB/s, prefill TFLOP/s.
-``tests/hopper_compile.py`` reports each shape's registers and spills without a GPU.
+``tests/helpers/hopper_compile.py`` reports each shape's registers and spills without a GPU.
 """
 
 from __future__ import annotations

@@ -9,6 +9,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
-    from triton_interpreter import patch_triton_interpreter
+    from helpers.triton_interpreter import patch_triton_interpreter
 
     patch_triton_interpreter()

@@ -11,7 +11,7 @@ import torch
 
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.worker.model_runner import DeviceStepOutput
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cpu  # noqa: E402

@@ -7,7 +7,7 @@
 * CUDA graphs on vs off, chunked prefill on vs off, prefix caching on vs off: the same greedy
   outputs; where two bf16 runs differ, only at a near tie of transformers' logits (the same rule).
 * Head sizes 12 to 256 (no power of two among 12, 20, 80, 96), GQA 1 to 8, on triton: fp32
-  identical to transformers, bf16 up to near ties (the grid of test_model_shapes.py).
+  identical to transformers, bf16 up to near ties (the grid of helpers/model_shapes.py).
 * Seeded sampling does not depend on the batch; step inputs survive a GPU that runs behind the
   host; the Qwen3-0.6B-shaped benchmark model runs with default settings and sizes its KV cache
   from gpu_memory_utilization.
@@ -30,17 +30,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from core_helpers import check_all_free, token_ids
-from gpu_helpers import (
+from helpers.core_helpers import check_all_free, token_ids
+from helpers.gpu_helpers import (
     Reference,
     check_greedy_agreement,
     hf_gaps_along,
     hf_greedy,
     load_hf,
 )
+from helpers.model_shapes import SHAPES, shape_id, shape_overrides
 from micro_vllm import LLM, SamplingParams
-from test_model_shapes import SHAPES, shape_id, shape_overrides
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,8 +3,8 @@ and fp32 verdict of the GPU tests rests on them."""
 
 import torch
 
-from gpu_helpers import Reference, bf16_ulp, check_greedy_agreement, hf_gaps_along, hf_greedy, load_hf, tie_tolerance
-from tiny_models import make_tiny_model
+from helpers.gpu_helpers import Reference, bf16_ulp, check_greedy_agreement, hf_gaps_along, hf_greedy, load_hf, tie_tolerance
+from helpers.tiny_models import make_tiny_model
 
 
 def test_tie_tolerance_is_ten_bf16_ulps_or_a_tiny_fp32_fraction():

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
 from micro_vllm.config import CUSTOM_OPS
 from micro_vllm.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX
-from tiny_models import VOCAB_SIZE, make_tiny_model
+from helpers.tiny_models import VOCAB_SIZE, make_tiny_model
 
 NAN, INF = math.nan, math.inf
 

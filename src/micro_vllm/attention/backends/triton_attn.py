@@ -70,7 +70,7 @@ _MAX_SPLITS = 16
 _MIN_SPLIT_KEYS = 512
 _MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension, where the query blocks are
 # A program holds a [BLOCK_M, head size] fp32 accumulator and K/V tiles of the head size: past 256
-# they no longer fit an SM's registers and shared memory (tests/hopper_compile.py compiles 256).
+# they no longer fit an SM's registers and shared memory (tests/helpers/hopper_compile.py compiles 256).
 _MAX_HEAD_SIZE = 256
 
 
@@ -416,7 +416,7 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     if max_query_len != 1 or device.type != "cuda":
         return 1
     # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of K/V
-    # tiles in shared memory, by tests/hopper_compile.py), rounding the share of each pair up: with
+    # tiles in shared memory, by tests/helpers/hopper_compile.py), rounding the share of each pair up: with
     # 2 * SMs or more (request, KV head) pairs, splitting only adds the merge, and more programs per
     # SM only queue (the sweep in benchmarks/attention_sweep.py decided the rule; docs/benchmarks.md).
     per_pair = -(-2 * _num_sms(device) // (num_reqs * num_kv_heads))
@@ -443,7 +443,7 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
     """
     if max_query_len * group <= 16:  # then max_query_len <= 16 // group, the tile's query tokens
         # Heads wider than 128 take half as many keys per step: 128 keys of 256 channels spill
-        # registers on sm_90 (tests/hopper_compile.py).
+        # registers on sm_90 (tests/helpers/hopper_compile.py).
         tile_n = 128 if _head_pad(head_size) <= 128 else 64
         return _Tiles(16, tile_n, 4, 3, one_qblock_per_req=True)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile

@@ -11,7 +11,8 @@ from micro_vllm import LLM, SamplingParams
 from micro_vllm.cli import main
 from micro_vllm.trace import TraceConfig
 from micro_vllm.trace.tools import format_summary, read_trace, summarize, to_chrome_trace
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
+from helpers.trace import ListSink
 
 SHARED = list(range(10, 34))  # three full blocks of 8, shared by every prompt
 PROMPTS = [SHARED + [40 + i] * (3 + 2 * i) for i in range(6)]
@@ -27,14 +28,6 @@ END_KEYS = {
     "event": str, "step": int, "time": float, "kv_total_blocks": int, "kv_free_blocks": int, "kv_used_blocks": int,
     "kv_cached_blocks": int, "num_running": int, "num_waiting": int,
 }
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def emit(self, event: dict) -> None:
-        self.events.append(event)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from transformers import (
@@ -234,3 +235,13 @@ def _spread_weights(model: PreTrainedModel, seed: int) -> None:
             param.copy_(noise * (0.05 if model.config.tie_word_embeddings else 1.0))
         else:
             param.copy_(noise / param.shape[-1] ** 0.5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Import into a test module to run it on one torch thread: tiny matmuls gain nothing from
+    threads, and on a small shared CPU spinning threads slow every step by orders of magnitude."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

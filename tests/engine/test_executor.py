@@ -9,7 +9,7 @@ from micro_vllm import LLM, SamplingParams
 from micro_vllm.engine import engine as engine_module
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.single_process import SingleProcessExecutor
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 
 
 class RecordingExecutor:

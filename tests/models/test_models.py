@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from tiny_models import FAMILIES, bind_backend, layer_metadata, load_hf_reference, make_tiny_model, tiny_config
+from helpers.tiny_models import FAMILIES, bind_backend, layer_metadata, load_hf_reference, make_tiny_model, tiny_config
 
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.attention.backends.abstract import CommonAttentionMetadata

@@ -2,7 +2,7 @@
 
 import pytest
 
-from core_helpers import (
+from helpers.core_helpers import (
     FULL, check_all_free, check_invariants, fake_output, make_request, make_scheduler, run_to_completion, sliding,
 )
 from micro_vllm.core.request import RequestStatus

@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
-from core_helpers import check_all_free, token_ids
-from micro_vllm import LLM, SamplingParams
-from test_faults import PARAMS, PROMPTS, expected, make_llm, model_dir, one_torch_thread  # noqa: F401  (fixtures)
+from helpers.core_helpers import check_all_free
+from micro_vllm import SamplingParams
+from helpers.fault_workload import PARAMS, PROMPTS, expected, make_llm, model_dir  # noqa: F401  (fixtures)
+from helpers.tiny_models import one_torch_thread  # noqa: F401  (an autouse fixture)
 
 # Seconds of random calls from two threads; raise it locally for a longer soak.
 SOAK_SECONDS = 10.0

@@ -8,7 +8,7 @@ import pytest
 
 from micro_vllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
 from micro_vllm.attention.backends.registry import backends_supporting
-from tiny_models import VOCAB_SIZE, make_tiny_model
+from helpers.tiny_models import VOCAB_SIZE, make_tiny_model
 
 
 @pytest.fixture(scope="module")

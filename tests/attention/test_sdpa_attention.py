@@ -1,6 +1,6 @@
 """The batched sdpa backend against the reference backend, on random paged batches (fresh each run).
 
-The batches come from test_triton_attention's builder: shuffled pages, decodes mixed with prefill
+The batches come from helpers/attention.py's builder: shuffled pages, decodes mixed with prefill
 chunks, windows whose pages before the window are unmapped, and a cache poisoned with NaN wherever
 no request's context lies, so a read outside a context shows up as NaN in the output.
 """
@@ -15,7 +15,7 @@ import torch
 from micro_vllm.attention.backends import sdpa
 from micro_vllm.attention.backends.registry import get_backend_cls
 from micro_vllm.attention.spec import AttentionSpec
-from test_triton_attention import make_batch, random_requests, rng  # noqa: F401 (rng: a fixture)
+from helpers.attention import make_batch, random_requests
 
 # (num_heads, num_kv_heads, head_size, block_size, sliding_window)
 SHAPES = [
@@ -48,7 +48,7 @@ def check_sdpa_against_reference(batch, window) -> None:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"H{s[0]}-KV{s[1]}-D{s[2]}-B{s[3]}-w{s[4]}")
 @pytest.mark.parametrize("mix", ["decodes", "chunks", "mixed"])
-def test_batched_forward_matches_reference(rng: random.Random, shape, mix) -> None:  # noqa: F811
+def test_batched_forward_matches_reference(rng: random.Random, shape, mix) -> None:
     num_heads, num_kv_heads, head_size, block_size, window = shape
     num_decodes, num_chunks = {"decodes": (5, 0), "chunks": (0, 3), "mixed": (4, 3)}[mix]
     requests = random_requests(rng, num_decodes, num_chunks, max_context=3 * block_size + 5, max_chunk=23)
@@ -58,7 +58,7 @@ def test_batched_forward_matches_reference(rng: random.Random, shape, mix) -> No
     check_sdpa_against_reference(batch, window)
 
 
-def test_layers_share_the_step_layout_built_once(rng: random.Random) -> None:  # noqa: F811
+def test_layers_share_the_step_layout_built_once(rng: random.Random) -> None:
     """The gather indices and masks are built once per step by the group's builder, not once per layer."""
     batch = make_batch(rng, [(1, 9), (4, 0), (1, 30)], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
                        dtype=torch.float32, device="cpu")

@@ -4,9 +4,10 @@ transformers, token by token (fp32, CPU, tiny random models)."""
 import pytest
 import torch
 
-from core_helpers import check_all_free
+from helpers.core_helpers import check_all_free
+from helpers.gpu_helpers import hf_greedy as transformers_greedy
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, RequestOutputKind, SamplingParams, SchedulerConfig
-from tiny_models import FAMILIES, load_hf_reference, make_tiny_model
+from helpers.tiny_models import FAMILIES, load_hf_reference, make_tiny_model
 
 NUM_NEW_TOKENS = 32
 # Lengths that cross block boundaries and do not divide by the block size; the budget forces
@@ -27,20 +28,10 @@ def hf_greedy(model_dirs):
     def reference(family):
         if family not in cache:
             model = load_hf_reference(model_dirs[family])
-            cache[family] = [_greedy(model, p, NUM_NEW_TOKENS) for p in PROMPTS]
+            cache[family] = [transformers_greedy(model, p, NUM_NEW_TOKENS).tokens for p in PROMPTS]
         return cache[family]
 
     return reference
-
-
-@torch.no_grad()
-def _greedy(model, prompt, n):
-    """Plain greedy decoding with full recomputation: nothing an engine could share a bug with."""
-    ids = list(prompt)
-    for _ in range(n):
-        logits = model(torch.tensor([ids])).logits[0, -1]
-        ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
 
 
 def _llm(path, backend, **overrides):

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiny_models import bind_backend, layer_metadata, make_tiny_model
+from helpers.tiny_models import bind_backend, layer_metadata, make_tiny_model
 
 pytest.importorskip("triton")
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
-from core_helpers import check_all_free, token_ids
+from helpers.core_helpers import check_all_free, token_ids
+from helpers.gpu_helpers import hf_greedy
+from helpers.tiny_models import one_torch_thread  # noqa: F401  (an autouse fixture)
 from micro_vllm import LLM, SamplingParams
-from test_generate import _greedy as transformers_greedy
-from tiny_models import load_hf_reference, make_tiny_model
+from helpers.tiny_models import load_hf_reference, make_tiny_model
 
 # qwen3_sliding has a full-attention layer and a sliding-window layer: two KV cache groups.
 FAMILIES = ("llama", "mistral", "qwen3", "qwen3_sliding")
@@ -27,16 +27,6 @@ FIRST_CALL = [SHARED + [1, 2, 3], SHARED + [9], SHARED[:20], SHARED + [1, 2, 3],
 # The last prompt starts with the tokens of SHARED's second block: equal tokens under another
 # parent (and at other positions) must not hit.
 SECOND_CALL = [SHARED + [77, 78], SHARED[:30], [5, 6, 7], SHARED[8:16] * 2 + [4]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny matmuls gain nothing from threads, and on a small shared CPU spinning threads slow
-    # every step by orders of magnitude.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +119,7 @@ def test_sliding_window_smaller_than_the_sequence_matches_transformers(model_dir
     with pytest.raises(ValueError, match="can never fit"):
         make_llm(model_dirs["llama"], **settings).generate(prompts[:1], SamplingParams(max_tokens=28))
     reference = load_hf_reference(model_dirs["mistral"])
-    expected = [transformers_greedy(reference, p, 28) for p in prompts]
+    expected = [hf_greedy(reference, p, 28).tokens for p in prompts]
     # The tight cache (5 usable blocks) must serve both; a roomy one, one request at a time, must
     # still hold no more than 5 blocks at once (there, the bound is the window's, not the cache's).
     for num_blocks, max_num_seqs in ((6, 4), (30, 1)):

@@ -186,7 +186,7 @@ def test_the_runner_path_keeps_seeded_requests_independent_of_the_batch(tmp_path
     """Through LLM with the kernel path forced on CPU: a seeded request draws the same tokens alone
     and in a crowd, greedy rows stay greedy beside sampled ones, and the engine seed fixes the rest."""
     from micro_vllm import LLM, SamplingParams
-    from tiny_models import make_tiny_model
+    from helpers.tiny_models import make_tiny_model
 
     path = make_tiny_model("qwen3", tmp_path)
     prompts = [[5, 6, 7, 8], [9] * 11, [3, 1, 4, 1, 5, 9, 2, 6], [42]]

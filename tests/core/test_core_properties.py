@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core_helpers import FULL, FakeRunner, check_all_free, check_invariants, make_request, make_scheduler, sliding
+from helpers.core_helpers import FULL, FakeRunner, check_all_free, check_invariants, make_request, make_scheduler, sliding
 from micro_vllm.core.request import Request, RequestStatus
 
 SPECS = {"full": lambda w: (FULL,), "sliding": lambda w: (sliding(w),), "full+sliding": lambda w: (FULL, sliding(w))}

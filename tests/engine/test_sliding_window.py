@@ -6,8 +6,8 @@ import torch
 
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.trace import TraceConfig
-from test_trace import ListSink
-from tiny_models import load_hf_reference, make_tiny_model, tiny_config
+from helpers.trace import ListSink
+from helpers.tiny_models import load_hf_reference, make_tiny_model, tiny_config
 
 BLOCK_SIZE = 4
 PROMPT = [(i * 37) % 250 for i in range(40)]

@@ -16,7 +16,7 @@ from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 from micro_vllm.worker.cuda_graphs import pad_decode_batch
 from micro_vllm.worker.dummy_run import profile_query_lens, profile_run, warm_up
 from micro_vllm.worker.input_buffers import InputBuffers
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 
 
 def _with_separate_twin(*shape: int) -> CpuGpuBuffer:

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from micro_vllm.attention.spec import AttentionSpec
-from core_helpers import FULL, free_queue_ids, make_kv_manager, make_request, sliding
+from helpers.core_helpers import FULL, free_queue_ids, make_kv_manager, make_request, sliding
 
 
 def ids(blocks_per_group):
