@@ -101,6 +101,11 @@ def test_each_output_kind_gives_one_output_per_step_with_the_sequences_alone_res
     check_all_free(engine.scheduler)
 
 
+def test_unseeded_sequences_draw_apart(model_dir):
+    [output] = make_llm(model_dir, **ROOMY).generate(PROMPT, replace(SEEDED, seed=None), use_tqdm=False)
+    assert len({tuple(c.token_ids) for c in output.outputs}) == N
+
+
 def test_generate_returns_each_prompts_sequences_in_order_and_greedy_ones_are_transformers(model_dir):
     llm = make_llm(model_dir, **ROOMY)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
