@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
 from micro_vllm.config import CUSTOM_OPS
+from micro_vllm.sampling.params import MAX_N
 from micro_vllm.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX
 from helpers.tiny_models import VOCAB_SIZE, make_tiny_model
 
@@ -24,6 +25,7 @@ NAN, INF = math.nan, math.inf
 
 # field -> values it must refuse; every field of SamplingParams appears (checked below).
 BAD_SAMPLING_VALUES = {
+    "n": [0, -1, MAX_N + 1, True, 2.0, "2", None],
     "max_tokens": [0, -3, True, 2.0, "3", None],
     "temperature": [-0.5, NAN, INF, -INF, 1e39, True, "1", None],
     "top_k": [-2, 2**31, True, 1.0, None],
@@ -90,7 +92,7 @@ def test_bad_sampling_value_is_named(field, value):
         SamplingParams(**{field: value})
 
 
-INT_FIELDS = {"max_tokens": (1, None), "top_k": (-1, INT32_MAX), "seed": (0, INT64_MAX)}
+INT_FIELDS = {"n": (1, MAX_N), "max_tokens": (1, None), "top_k": (-1, INT32_MAX), "seed": (0, INT64_MAX)}
 BOUNDARIES = [v + d for v in (-1, 0, 1, INT32_MAX, INT64_MAX, 2**64) for d in (-1, 0, 1)]
 
 
@@ -136,6 +138,13 @@ def test_stop_strings_are_kept_as_a_tuple():
 def test_stop_strings_need_detokenize():
     with pytest.raises(ValueError, match=r"stop=\['x'\] is not allowed with detokenize=False"):
         SamplingParams(stop="x", detokenize=False)
+
+
+def test_the_last_sequence_seed_must_fit():
+    """Sequence i of a seeded request samples with seed + i."""
+    assert SamplingParams(n=3, seed=INT64_MAX - 2).seed == INT64_MAX - 2
+    with pytest.raises(ValueError, match=rf"seed={INT64_MAX - 1} is not allowed with n=3"):
+        SamplingParams(n=3, seed=INT64_MAX - 1)
 
 
 def test_numpy_values_are_taken_as_python_numbers():

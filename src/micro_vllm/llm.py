@@ -61,7 +61,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order.
+        """Run every prompt to completion; outputs come back in input order, each holding its
+        ``SamplingParams.n`` sequences by index.
 
         All prompts are checked before any is queued, so a bad one raises without touching the others.
         If anything raises once they run (an error in a step, a KeyboardInterrupt, ``shutdown()``

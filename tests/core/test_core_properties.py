@@ -6,7 +6,8 @@ the budgets, sync or async scheduling, and the requests: arrival steps, prompts 
 hits, and blocks whose tokens repeat under other parents, are common), output lengths and aborts.
 After every step the design notes' invariants are checked (``core_helpers.check_invariants``), and
 the ``FakeRunner`` checks the plan and every K/V read; at the end every request has finished with
-the output it asked for and every block is free.
+the output it asked for and every block is free. Some arrivals are several requests with one prompt
+(the sequences of a parallel-sampling request: the first one leads, ``Request.prompt_leader``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Arrival:
     prompt: tuple[int, ...]
     max_tokens: int
     abort_after: int | None  # steps after arrival; None: runs to the end
+    n: int = 1  # requests with this prompt, the first one their prompt leader
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ def arrivals(draw, prefixes: list[list[int]], max_model_len: int) -> Arrival:
     suffix = draw(st.lists(st.integers(1, 3), max_size=20))
     prompt = (prefix[:cut] + suffix)[: max_model_len - 1] or [1]
     abort_after = draw(st.one_of(st.none(), st.none(), st.integers(0, 12)))
-    return Arrival(draw(st.integers(0, 8)), tuple(prompt), draw(st.integers(1, 24)), abort_after)
+    n = draw(st.sampled_from([1, 1, 1, 2, 3]))
+    return Arrival(draw(st.integers(0, 8)), tuple(prompt), draw(st.integers(1, 24)), abort_after, n)
 
 
 @st.composite
@@ -84,7 +87,7 @@ def scenarios(draw, aborts: bool = True) -> Scenario:
     prefixes = draw(st.lists(st.lists(st.integers(1, 3), min_size=4, max_size=48), min_size=1, max_size=3))
     requests = draw(st.lists(arrivals(prefixes, max_model_len), min_size=1, max_size=10))
     if not aborts:
-        requests = [Arrival(a.step, a.prompt, a.max_tokens, None) for a in requests]
+        requests = [Arrival(a.step, a.prompt, a.max_tokens, None, a.n) for a in requests]
     return Scenario(
         block_size=draw(st.sampled_from([1, 2, 4, 16])),
         specs=draw(st.sampled_from(list(SPECS))),
@@ -107,20 +110,28 @@ def run(
     if async_scheduling is None:
         async_scheduling = scenario.async_scheduling
     runner = FakeRunner(scheduler, async_scheduling=async_scheduling)
-    requests = [make_request(list(a.prompt), max_tokens=a.max_tokens) for a in scenario.arrivals]
+    groups = [same_prompt_requests(a) for a in scenario.arrivals]
     aborted: set[str] = set()
     for step in range(max_steps):
-        for arrival, request in zip(scenario.arrivals, requests):
+        for arrival, group in zip(scenario.arrivals, groups):
             if arrival.step == step:
-                scheduler.add_request(request)
+                for request in group:
+                    scheduler.add_request(request)
             if arrival.abort_after is not None and arrival.step + arrival.abort_after == step:
-                if scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED):
-                    aborted.add(request.request_id)
+                ids = [r.request_id for r in group]
+                aborted.update(r.request_id for r in scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED))
                 check_invariants(scheduler)
         if step > max(a.step for a in scenario.arrivals) and not scheduler.has_unfinished_requests():
-            return requests, aborted, runner
+            return [r for group in groups for r in group], aborted, runner
         runner.step()
     raise AssertionError("deadlock: requests did not finish")
+
+
+def same_prompt_requests(arrival: Arrival) -> list[Request]:
+    requests = [make_request(list(arrival.prompt), max_tokens=arrival.max_tokens) for _ in range(arrival.n)]
+    for request in requests[1:]:
+        request.prompt_leader = requests[0]
+    return requests
 
 
 def expected_output_len(request: Request, max_model_len: int) -> int:

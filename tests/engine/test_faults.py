@@ -7,7 +7,6 @@ Tiny random models on CPU (fp32, sdpa), prefix caching on and a cache small enou
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -28,38 +27,14 @@ from helpers.core_helpers import FakeRunner, check_all_free, make_request, make_
 from micro_vllm import LLM
 from micro_vllm.engine import output_processor
 from micro_vllm.worker.model_runner import DeviceStepOutput
-from helpers.fault_workload import PARAMS, PROMPTS, SETTINGS, expected, make_llm, model_dir  # noqa: F401  (fixtures)
+from helpers.fault_workload import PARAMS, PROMPTS, SETTINGS, check_nothing_left, inject
+from helpers.fault_workload import expected, make_llm, model_dir  # noqa: F401  (fixtures)
 from helpers.tiny_models import one_torch_thread  # noqa: F401  (an autouse fixture)
 
 @pytest.fixture(scope="module")
 def llms(model_dir):
     """One LLM per scheduling mode, shared by every example: faults pile up on the same engine."""
     return {async_scheduling: make_llm(model_dir, async_scheduling=async_scheduling) for async_scheduling in (True, False)}
-
-
-def check_nothing_left(llm: LLM) -> None:
-    """No request, block, in-flight step, unconfirmed hash, runner row or prompt record is left."""
-    engine = llm.engine
-    check_all_free(engine.scheduler)
-    assert not engine.scheduler.finished_req_ids
-    assert not engine.scheduler.kv_cache_manager.unconfirmed
-    assert not engine.in_flight and not engine.prompts and not engine.output_processor.states
-    runner = engine.executor.worker.model_runner
-    assert len(runner.input_batch) == 0 and not runner.input_batch.row_of
-    assert runner.last_output is None
-
-
-def inject(patch: pytest.MonkeyPatch, owner, name: str, at_call: int, error: type[BaseException]) -> None:
-    """Make ``owner.name`` raise ``error`` on its ``at_call``-th call (counting from 0)."""
-    original = getattr(owner, name)
-    calls = itertools.count()
-
-    def faulty(*args, **kwargs):
-        if next(calls) == at_call:
-            raise error(f"injected into {name}")
-        return original(*args, **kwargs)
-
-    patch.setattr(owner, name, faulty)
 
 
 def stage_target(llm: LLM, stage: str):

@@ -1,11 +1,14 @@
 """The workload of the fault and thread tests: prompts with shared prefixes on a cache small enough
-to preempt, a fresh engine's tokens for them, and how to build the engine."""
+to preempt, a fresh engine's tokens for them, and how to build the engine; how to inject a fault, and
+the check that a failure left nothing behind."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from helpers.core_helpers import token_ids
+from helpers.core_helpers import check_all_free, token_ids
 from helpers.tiny_models import make_tiny_model
 from micro_vllm import LLM, SamplingParams
 
@@ -33,10 +36,9 @@ def make_llm(path, **overrides) -> LLM:
     return LLM(model=str(path), device="cpu", dtype="float32", attention_backend="sdpa", **{**SETTINGS, **overrides})
 
 
-@pytest.fixture(scope="module")
-def expected(model_dir):
-    """A fresh engine's tokens for PROMPTS; the run must preempt for the tests to mean anything."""
-    llm = make_llm(model_dir)
+def fresh_outputs(path, prompts, params) -> list:
+    """A fresh engine's outputs; the run must preempt for the tests to mean anything."""
+    llm = make_llm(path)
     preempted = []
     schedule = llm.engine.scheduler.schedule
 
@@ -46,6 +48,38 @@ def expected(model_dir):
         return plan
 
     llm.engine.scheduler.schedule = logged_schedule
-    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     assert preempted, "the cache must be small enough to preempt"
-    return token_ids(outputs)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """A fresh engine's tokens for PROMPTS."""
+    return token_ids(fresh_outputs(model_dir, PROMPTS, PARAMS))
+
+
+def check_nothing_left(llm: LLM) -> None:
+    """No request, block, in-flight step, unconfirmed hash, runner row or prompt record is left."""
+    engine = llm.engine
+    check_all_free(engine.scheduler)
+    assert not engine.scheduler.finished_req_ids
+    assert not engine.scheduler.kv_cache_manager.unconfirmed
+    assert not engine.in_flight and not engine.prompts and not engine.output_processor.states
+    assert not engine.output_processor.parent_requests and not engine.output_processor.parent_of
+    runner = engine.executor.worker.model_runner
+    assert len(runner.input_batch) == 0 and not runner.input_batch.row_of
+    assert runner.last_output is None
+
+
+def inject(patch: pytest.MonkeyPatch, owner, name: str, at_call: int, error: type[BaseException]) -> None:
+    """Make ``owner.name`` raise ``error`` on its ``at_call``-th call (counting from 0)."""
+    original = getattr(owner, name)
+    calls = itertools.count()
+
+    def faulty(*args, **kwargs):
+        if next(calls) == at_call:
+            raise error(f"injected into {name}")
+        return original(*args, **kwargs)
+
+    patch.setattr(owner, name, faulty)

@@ -55,6 +55,9 @@ class Request:
         self.num_preemptions = 0
         self.max_chunk_tokens = 0  # the most tokens one step may compute: set on admission (check_fits)
         self.block_hashes: list[bytes] = []  # one per full block, filled by the KV cache manager
+        # Another request with the same prompt (the first sequence of a parallel-sampling request):
+        # the scheduler admits this one once that one's prompt is planned, to reuse its blocks.
+        self.prompt_leader: Request | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

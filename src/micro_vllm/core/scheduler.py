@@ -177,6 +177,8 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:  # preempted while its last step runs: wait for its token
                 return
+            if self._leader_computes_prompt(request):
+                return
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if num_new > step.budget and not self.config.enable_chunked_prefill:
@@ -240,6 +242,19 @@ class Scheduler:
         num_tokens = request.num_tokens + request.num_output_placeholders
         return (request.num_output_tokens + request.num_output_placeholders >= request.sampling_params.max_tokens
                 or num_tokens >= self.max_model_len)
+
+    def _leader_computes_prompt(self, request: Request) -> bool:
+        """Whether the request computing the same prompt (``Request.prompt_leader``) has not planned
+        all of it yet. Admitted now, ``request`` would compute again what is not planned; once it is,
+        every full block of the prompt is hashed and ``request`` reuses them (with prefix caching
+        off it computes the prompt itself). Only a running leader holds it back, so a request never
+        waits for one that waits itself."""
+        leader = request.prompt_leader
+        return (
+            leader is not None
+            and leader.status == RequestStatus.RUNNING
+            and leader.num_computed_tokens < leader.num_prompt_tokens
+        )
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

@@ -27,6 +27,7 @@ from micro_vllm.core.scheduler import Scheduler
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.engine.output import RequestOutput
 from micro_vllm.engine.output_processor import OutputProcessor
+from micro_vllm.engine.parallel_sampling import ParentRequest
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
@@ -98,20 +99,31 @@ class Engine:
         return request
 
     def add_request(self, request: Request) -> None:
+        """Queue a request from ``make_request``; one with ``n > 1`` runs as ``n`` child requests
+        (``parallel_sampling.py``) that give one output together."""
         self._finish_rollback()
-        if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request_id={request.request_id!r} is already in use")
-        self.output_processor.add_request(request, self.prompts.pop(request.request_id, None))
-        self.scheduler.add_request(request)
+        parent = ParentRequest(request) if request.sampling_params.n > 1 else None
+        requests = parent.children if parent is not None else [request]
+        ids = [request.request_id] + ([r.request_id for r in requests] if parent is not None else [])
+        for request_id in ids:
+            if request_id in self.scheduler.requests or request_id in self.output_processor.parent_requests:
+                raise ValueError(f"request_id={request_id!r} is already in use")
+        prompt = self.prompts.pop(request.request_id, None)
+        for index, child in enumerate(requests):
+            self.output_processor.add_request(child, prompt, parent, index)
+            self.scheduler.add_request(child)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a request wherever it is and free its blocks; others are untouched."""
-        aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        """Finish a request (all the sequences of one with ``n > 1``) wherever it is and free its
+        blocks; others are untouched."""
+        parent = self.output_processor.parent_requests.get(request_id)
+        request_ids = [child.request_id for child in parent.children] if parent is not None else [request_id]
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         if not aborted:
             return None
         if self.tracer is not None:
             self.tracer.record_abort(request_id, self.scheduler.make_stats())
-        return self.output_processor.finish(aborted)[0]
+        return self.output_processor.gather(self.output_processor.finish(aborted))[0]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -196,7 +208,7 @@ class Engine:
         finished = self.scheduler.update_from_output(runner_output)
         outputs, stopped = self.output_processor.process_step(runner_output.req_ids)
         finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs + self.output_processor.finish(finished)
+        return self.output_processor.gather(outputs + self.output_processor.finish(finished))
 
     def _traced_step(self, tracer: Tracer) -> list[RequestOutput]:
         started = tracer.clock()

@@ -1,5 +1,5 @@
 """What a request looks like to the user, in vLLM's shape: one ``RequestOutput`` per request, holding
-one ``CompletionOutput`` per generated sequence (always one here: ``n`` is 1)."""
+one ``CompletionOutput`` per generated sequence (``SamplingParams.n`` of them, by ``index``)."""
 
 from __future__ import annotations
 

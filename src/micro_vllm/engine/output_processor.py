@@ -5,25 +5,32 @@ DELTA) or has stop strings gets an ``IncrementalDetokenizer``, fed each step's n
 string it finds ends the request, and a streaming request gets an output at every step that gives
 it tokens. A FINAL_ONLY request without stop strings is decoded once when it finishes, to the same
 text (see ``decode_output``), so the default path does no work per step.
+
+A request with ``n > 1`` is a ``ParentRequest`` (``parallel_sampling.py``) whose children each have a
+state here; ``gather`` turns a step's outputs of its children into one output of the parent.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 
 from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.engine.detokenizer import IncrementalDetokenizer, decode_output
 from micro_vllm.engine.output import CompletionOutput, RequestOutput
+from micro_vllm.engine.parallel_sampling import ParentRequest
 from micro_vllm.sampling.params import RequestOutputKind
 
 
 class RequestState:
     """One request's side of the outputs: its prompt text, its detokenizer (if it needs one per
-    step) and how much of it the DELTA outputs have given out."""
+    step) and how much of it the DELTA outputs have given out. ``index`` is its sequence's index
+    among its parent's (0 without a parent)."""
 
-    def __init__(self, request: Request, prompt: str | None, tokenizer) -> None:
+    def __init__(self, request: Request, prompt: str | None, tokenizer, index: int = 0) -> None:
         params = request.sampling_params
         self.request = request
+        self.index = index
         self.prompt = prompt
         self.tokenizer = tokenizer
         self.output_kind = params.output_kind
@@ -55,7 +62,7 @@ class RequestState:
             self.num_sent_tokens = len(all_token_ids)
             text = self.detokenizer.get_next_output_text(finished, delta)
         completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids, cumulative_logprob=None, logprobs=None,
+            index=self.index, text=text, token_ids=token_ids, cumulative_logprob=None, logprobs=None,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
         )
         return RequestOutput(
@@ -81,12 +88,19 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self.detokenized: dict[str, RequestState] = {}  # the states updated at every step
+        self.parent_requests: dict[str, ParentRequest] = {}  # by the parent's id, until all its children finish
+        self.parent_of: dict[str, ParentRequest] = {}  # by the child's id
 
-    def add_request(self, request: Request, prompt: str | None) -> None:
-        state = RequestState(request, prompt, self.tokenizer)
+    def add_request(self, request: Request, prompt: str | None, parent_req: ParentRequest | None = None,
+                    index: int = 0) -> None:
+        """Track ``request``; a child of ``parent_req`` makes sequence ``index`` of its parent's outputs."""
+        state = RequestState(request, prompt, self.tokenizer, index)
         self.states[request.request_id] = state
         if state.detokenizer is not None:
             self.detokenized[request.request_id] = state
+        if parent_req is not None:
+            self.parent_requests[parent_req.request_id] = parent_req
+            self.parent_of[request.request_id] = parent_req
 
     def process_step(self, req_ids: Iterable[str]) -> tuple[list[RequestOutput], list[str]]:
         """Detokenize the step's new tokens. Returns the outputs of the streaming requests that go
@@ -121,6 +135,30 @@ class OutputProcessor:
             outputs.append(state.make_output())
         return outputs
 
+    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One output per request the user added: the outputs of a parent's children, all of one
+        step, become the parent's one output (if its output kind gives one now)."""
+        if not self.parent_of:
+            return outputs
+        gathered, by_parent = [], defaultdict(list)
+        for output in outputs:
+            parent = self.parent_of.get(output.request_id)
+            if parent is None:
+                gathered.append(output)
+            else:
+                by_parent[parent].append(output)
+        for parent, child_outputs in by_parent.items():
+            output = parent.make_output(child_outputs)
+            if output is not None:
+                gathered.append(output)
+            if parent.finished:
+                del self.parent_requests[parent.request_id]
+                for child in parent.children:
+                    del self.parent_of[child.request_id]
+        return gathered
+
     def clear(self) -> None:
         self.states.clear()
         self.detokenized.clear()
+        self.parent_requests.clear()
+        self.parent_of.clear()

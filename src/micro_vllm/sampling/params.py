@@ -22,6 +22,9 @@ from micro_vllm.validation import (
 
 logger = logging.getLogger(__name__)
 
+# The most sequences one request may ask for (vLLM's default bound): each is a request of its own.
+MAX_N = 16384
+
 # A tiny positive temperature scales the logits towards float32 overflow (NaN scores, garbage tokens)
 # while sampling all but greedily; vLLM raises temperatures below this to it with a
 # warning, and so do we.
@@ -41,6 +44,8 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """Per-request decoding settings, validated on construction.
 
+    ``n`` sequences are generated for the prompt (parallel sampling, ``engine/parallel_sampling.py``):
+    each samples on its own, and with a ``seed`` sequence ``i`` uses ``seed + i``.
     ``temperature=0`` means greedy; a positive temperature below 0.01 is raised to 0.01. ``top_k`` of
     0 or -1 and ``top_p=1`` turn those filters off (a ``top_k`` beyond the vocabulary keeps every
     token). A ``seed`` makes the request's samples reproducible whatever else shares its batch.
@@ -53,6 +58,7 @@ class SamplingParams:
     strings). ``output_kind`` says what ``Engine.step`` streams; ``LLM.generate`` uses FINAL_ONLY.
     """
 
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
@@ -68,12 +74,18 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        check_field(self, "n", check_int, 1, MAX_N)
         check_field(self, "max_tokens", check_int, 1, None)
         check_field(self, "temperature", _temperature)
         check_field(self, "top_k", check_int, -1, allowed=f"an integer in [1, {INT32_MAX}], or 0 / -1 to turn it off")
         check_field(self, "top_p", check_float, 0, 1, low_open=True)
         # Negative seeds are refused, not read as "no seed": None is the only way to say that.
         check_field(self, "seed", check_optional_int, 0, INT64_MAX)
+        if self.seed is not None and self.seed > INT64_MAX - (self.n - 1):
+            raise ValueError(
+                f"seed={self.seed} is not allowed with n={self.n}; the sequences' seeds seed .. seed + n - 1 "
+                f"must be at most {INT64_MAX}"
+            )
         check_field(self, "ignore_eos", check_bool)
         check_field(self, "stop_token_ids", _stop_token_ids)
         check_field(self, "stop", _stop_strings)
