@@ -156,3 +156,21 @@ def test_preempted_requests_give_their_prompt_logprobs_once(model_dir, reference
     assert 0 in preempted and max(preempted) > 0
     for output in outputs:
         check_output(output, reference, params)
+
+
+def test_a_batch_that_asks_for_no_logprobs_computes_none(model_dir, monkeypatch):
+    """No log-softmax, no top-k and no copies for logprobs unless a request asks."""
+    from micro_vllm.sampling import sampler
+    from micro_vllm.worker import model_runner
+
+    def refuse(*args):
+        raise AssertionError("logprobs computed for a batch that asked for none")
+
+    for module in (sampler, model_runner):
+        monkeypatch.setattr(module, "compute_logprobs", refuse)
+    with make_llm(model_dir) as llm:
+        outputs = llm.generate(PROMPTS, [SamplingParams(max_tokens=3, temperature=t) for t in (0, 1, 0.5)],
+                               use_tqdm=False)
+        assert all(o.outputs[0].logprobs is None and o.prompt_logprobs is None for o in outputs)
+        with pytest.raises(AssertionError, match="asked for none"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=0), use_tqdm=False)
