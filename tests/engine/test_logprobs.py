@@ -82,10 +82,10 @@ def check_output(output, reference, params: SamplingParams) -> None:
 @pytest.mark.parametrize("max_num_batched_tokens", [8, 64], ids=["chunked", "one-chunk"])
 def test_logprobs_match_transformers(model_dir, reference, async_scheduling, max_num_batched_tokens):
     """A batch of greedy and seeded requests with and without (prompt) logprobs; a request that
-    asks for none gets None beside them."""
-    params = [*PARAMS, SamplingParams(max_tokens=3, ignore_eos=True)]
+    asks for none gets None beside them, and a one-token prompt's prompt logprobs are [None]."""
+    params = [*PARAMS, SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=2, prompt_logprobs=1)]
     with make_llm(model_dir, async_scheduling=async_scheduling, max_num_batched_tokens=max_num_batched_tokens) as llm:
-        outputs = llm.generate([*PROMPTS, PROMPTS[0]], params, use_tqdm=False)
+        outputs = llm.generate([*PROMPTS, PROMPTS[0], [256]], params, use_tqdm=False)
     for output, request_params in zip(outputs, params):
         check_output(output, reference, request_params)
 
@@ -174,3 +174,23 @@ def test_a_batch_that_asks_for_no_logprobs_computes_none(model_dir, monkeypatch)
         assert all(o.outputs[0].logprobs is None and o.prompt_logprobs is None for o in outputs)
         with pytest.raises(AssertionError, match="asked for none"):
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=0), use_tqdm=False)
+
+
+def test_preempted_after_its_last_prompt_chunk_before_its_first_token(model_dir, reference):
+    """A 9-token prompt in 8-token steps: the first step computes every token that predicts a prompt
+    token, the second the last one and the first output token. Preempted between the two (as the
+    scheduler preempts when the pool runs dry), the request computes its prompt again: its prompt
+    logprobs still come once."""
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, output_kind=RequestOutputKind.FINAL_ONLY)
+    with make_llm(model_dir, async_scheduling=False) as llm:
+        engine, scheduler = llm.engine, llm.engine.scheduler
+        engine.add_request(engine.make_request("r", PROMPTS[0][:9], params))
+        assert engine.step() == [] and scheduler.requests["r"].num_computed_tokens == 8
+        request = scheduler.running.pop()
+        scheduler._preempt(request)
+        scheduler.finished_req_ids.add("r")  # the plan's preempted ids: the runner drops its row
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+    assert len(outputs) == 1 and request.num_preemptions == 1
+    check_output(outputs[0], reference, params)

@@ -59,8 +59,10 @@ class InputBatch:
         self.seed[row] = params.seed if params.seed is not None and not params.greedy else -1
         self.last_sample_index[row] = -1
         self.num_logprobs[row] = self._num_logprobs(params.logprobs)
-        # A request resumed after preemption with output tokens had its whole prompt's logprobs already.
-        self.num_prompt_logprobs[row] = self._num_logprobs(params.prompt_logprobs) if n == new.num_prompt_tokens else -1
+        # A request resumed after preemption with output tokens had its whole prompt's logprobs already;
+        # a one-token prompt has none to compute.
+        needs_prompt_logprobs = n == new.num_prompt_tokens and n > 1
+        self.num_prompt_logprobs[row] = self._num_logprobs(params.prompt_logprobs) if needs_prompt_logprobs else -1
 
     def _num_logprobs(self, requested: int | None) -> int:
         if requested is None:

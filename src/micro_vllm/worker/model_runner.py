@@ -102,9 +102,10 @@ class PromptLogprobsSlice:
     """The tokens of one request in a step whose next token is a prompt token, for its prompt logprobs."""
 
     req_id: str
-    tokens: slice  # in the step's tokens; the tokens they predict are at the same indices of the targets
+    tokens: slice  # in the step's tokens (maybe none); the tokens they predict are at the same indices of the targets
     num_logprobs: int
-    completes: bool  # the slice ends at the prompt's second-to-last token: the prompt's logprobs are all computed
+    # The step computes the prompt's last token (and samples): the prompt's logprobs go out with that token.
+    completes: bool
 
 
 @dataclass
@@ -329,20 +330,26 @@ class ModelRunner:
     def _plan_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, query_start_loc: np.ndarray,
                               num_computed: np.ndarray, num_scheduled: np.ndarray) -> list[PromptLogprobsSlice]:
         """For each request of the step that asks for prompt logprobs, its tokens whose next token is
-        a prompt token (the last of a chunk predicts the first of the next); their targets staged."""
+        a prompt token (the last of a chunk predicts the first of the next); their targets staged.
+
+        The prompt's logprobs go out with its first sampled token: a request preempted before that
+        computes its prompt anew, and one preempted after it resumes with that token, so it needs
+        none (``InputBatch.add_request``); a row whose prompt is done asks for none any more."""
         batch = self.input_batch
         targets = self.prompt_logprob_targets.np
         slices = []
         for i in np.flatnonzero(batch.num_prompt_logprobs[rows] >= 0).tolist():
             row = rows[i]
-            last = int(batch.num_prompt_tokens[row]) - 1  # the last prompt token predicts no prompt token
-            start, end = int(num_computed[i]), min(int(num_computed[i] + num_scheduled[i]), last)
-            if start >= end:
-                continue
+            num_prompt_tokens = int(batch.num_prompt_tokens[row])
+            start, stop = int(num_computed[i]), int(num_computed[i] + num_scheduled[i])
+            end = min(stop, num_prompt_tokens - 1)  # the last prompt token predicts no prompt token
             first = int(query_start_loc[i])
             tokens = slice(first, first + end - start)
             targets[tokens] = batch.token_ids[row, start + 1 : end + 1]
-            slices.append(PromptLogprobsSlice(req_ids[i], tokens, int(batch.num_prompt_logprobs[row]), end == last))
+            completes = stop == num_prompt_tokens
+            slices.append(PromptLogprobsSlice(req_ids[i], tokens, int(batch.num_prompt_logprobs[row]), completes))
+            if completes:
+                batch.num_prompt_logprobs[row] = -1
         return slices
 
     def _input_ids(self, rows: np.ndarray, query_start_loc: np.ndarray, num_tokens: int) -> torch.Tensor:
@@ -408,11 +415,12 @@ class ModelRunner:
         they complete. A request's logits are computed at all its slice's tokens at once."""
         completed = {}
         for part in inputs.prompt_logprobs:
-            logits = self.model.compute_logits(hidden_states[part.tokens])
-            tensors = gather_logprobs(compute_logprobs(logits), part.num_logprobs,
-                                      inputs.prompt_logprob_targets[part.tokens])
             chunks = self.in_progress_prompt_logprobs.setdefault(part.req_id, [])
-            chunks.append(tensors.to_host())
+            if part.tokens.stop > part.tokens.start:
+                logits = self.model.compute_logits(hidden_states[part.tokens])
+                tensors = gather_logprobs(compute_logprobs(logits), part.num_logprobs,
+                                          inputs.prompt_logprob_targets[part.tokens])
+                chunks.append(tensors.to_host())
             if part.completes:
                 completed[part.req_id] = self.in_progress_prompt_logprobs.pop(part.req_id)
         return completed
