@@ -23,7 +23,7 @@ class ModelRunnerOutput:
 
     ``logprobs`` maps each request that asked for logprobs and sampled a token to that token's row;
     ``prompt_logprobs_dict`` each request that asked for prompt logprobs to the rows of its whole
-    prompt (from its second token on), in the step that computes its last prompt position."""
+    prompt (from its second token on), in the step that samples its first token."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]

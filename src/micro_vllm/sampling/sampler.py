@@ -8,9 +8,9 @@ A Sampler built with ``use_triton`` draws every batch that samples with the Trit
 a Philox seed per row, so the same independence holds); a batch with top-k / top-p rows filters the
 scaled logits here first.
 
-When a row of the batch asks for logprobs, the sampler also returns, for every row, the raw
-logprobs (``logprobs.py``) of the batch's largest request: computed from the logits it was given,
-before it scales or filters them.
+When a row of the batch asks for logprobs, the sampler also returns for every row the raw logprobs
+(``logprobs.py``) of its sampled token and of as many top tokens as the row that asks for most:
+computed from the logits it was given, before it scales or filters them.
 """
 
 from __future__ import annotations

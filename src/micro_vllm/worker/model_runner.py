@@ -54,7 +54,7 @@ class DeviceStepOutput(AsyncModelRunnerOutput):
 
     ``logprobs_rows`` are the sample rows whose request asked for logprobs (their rows of the
     sampler's logprobs); ``prompt_logprobs`` the host copies, chunk by chunk, of the whole prompt of
-    each request whose prompt logprobs the step completes (queued before this step's event)."""
+    each request whose first token the step samples (queued before this step's event)."""
 
     def __init__(self, req_ids: list[str], sample_rows: np.ndarray, positions: np.ndarray,
                  sampled: SamplerOutput | None, logprobs_rows: np.ndarray | None = None,
