@@ -2,9 +2,10 @@
 made into a dict of ``Logprob`` per position, with each token's text.
 
 A row holds the position's own token first (the sampled one, or the prompt's), then as many top
-tokens as the request of its batch that asks for most; the request keeps its own top ``logprobs``. The own token's rank is
-its rank in the whole vocabulary; the top tokens are ranked 1, 2, ... A token that is both keeps the
-top list's rank (one entry), so a position has ``logprobs`` or ``logprobs + 1`` entries.
+tokens as the request of its batch that asks for most; the request keeps its own top ``logprobs``.
+The own token's rank is its rank in the whole vocabulary; the top tokens are ranked 1, 2, ... A token
+that is both keeps the top list's rank (one entry), so a position has ``logprobs`` or
+``logprobs + 1`` entries.
 ``decoded_token`` is the token decoded on its own (as vLLM's ``convert_ids_list_to_tokens``), or None
 with ``detokenize=False`` or no tokenizer. ``cumulative_logprob`` sums the sampled tokens' logprobs.
 """
