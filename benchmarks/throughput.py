@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                      # random Qwen3-0.6B-shaped model
     python benchmarks/throughput.py --model DIR --compare-hf 16
+    python benchmarks/throughput.py --sampling-params '{"logprobs": 5, "top_k": 50}'
 
 Prints output tokens, seconds and output tokens per second; with ``--compare-hf N`` it also runs
 transformers' continuous batching on the first N requests in the same process, and micro-vLLM on the
@@ -23,10 +24,13 @@ from micro_vllm import LLM, SamplingParams
 from micro_vllm.worker.model_runner import DeviceStepOutput
 
 
-def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[int, float]:
+def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float,
+                   sampling_params: dict | None = None) -> tuple[int, float]:
     """One timed ``generate`` of the prompts, from an empty prefix cache: an earlier run's cache
-    (``--repeat``, the profiles, the recipe before the transformers comparison) would serve them."""
-    params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True) for n in max_tokens]
+    (``--repeat``, the profiles, the recipe before the transformers comparison) would serve them.
+    ``sampling_params`` (``--sampling-params``) adds SamplingParams fields to the recipe's, or
+    replaces them."""
+    params = [recipe_params(n, temperature, sampling_params) for n in max_tokens]
     llm.reset_prefix_cache()
     _sync()
     start = time.perf_counter()
@@ -34,6 +38,21 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float) -> tuple[i
     _sync()
     seconds = time.perf_counter() - start
     return sum(len(o.outputs[0].token_ids) for o in outputs), seconds
+
+
+def recipe_params(max_tokens: int, temperature: float, extra: dict | None) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True, **(extra or {})})
+
+
+def json_object(text: str) -> dict:
+    """``--sampling-params``: a JSON object of SamplingParams fields."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of SamplingParams fields")
+    return value
 
 
 @contextlib.contextmanager
@@ -112,7 +131,8 @@ def triton_compilations() -> int:
     return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
 
 
-def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps: int) -> str:
+def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps: int,
+                  sampling_params: dict | None = None) -> str:
     """Profile ``steps`` engine steps after the first ``skip_steps`` of a run of ``prompts`` (from an
     empty prefix cache, so the prompts are computed) and return the kernel table: with 40 skipped,
     decodes; with 1 skipped, prefill steps of the recipe."""
@@ -131,7 +151,7 @@ def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps:
             return result
         engine.step = profiled_step
         try:
-            params = SamplingParams(max_tokens=skip_steps + steps + 8, temperature=temperature, ignore_eos=True)
+            params = recipe_params(skip_steps + steps + 8, temperature, sampling_params)
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         finally:
             if caller_wrapper is None:
@@ -199,6 +219,9 @@ def main() -> None:
     parser.add_argument("--custom-ops", type=lambda text: text.split(","), default=None, metavar="LIST",
                         help="ModelConfig.custom_ops, comma-separated (for before/after): --custom-ops=none,+sampler "
                              "runs the layers' PyTorch code, --custom-ops=-sampler the PyTorch sampler")
+    parser.add_argument("--sampling-params", type=json_object, default={}, metavar="JSON",
+                        help="more SamplingParams fields for every request, as a JSON object merged over the recipe's: "
+                             """'{"logprobs": 5, "top_k": 50}'""")
     parser.add_argument("--profile", action="store_true", help="print kernel profiles of two prefill steps and of decode steps")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     args = parser.parse_args()
@@ -217,7 +240,7 @@ def main() -> None:
     for _ in range(args.repeat):
         compiled_before = triton_compilations()
         with time_phases(llm) as phases:
-            tokens, seconds = run_micro_vllm(llm, prompts, max_tokens, args.temperature)
+            tokens, seconds = run_micro_vllm(llm, prompts, max_tokens, args.temperature, args.sampling_params)
         compiled = triton_compilations() - compiled_before
         steps = int(phases["schedule_calls"])
         breakdown = {k: round(1e6 * phases[k] / steps) for k in PHASES}
@@ -234,14 +257,16 @@ def main() -> None:
                   f"({wait:.2f} waiting for the GPU)")
     if args.profile:  # prefill steps, the full batch's decodes, and the long tail's few requests
         print("kernel profile, the recipe's 2nd and 3rd steps (prefill chunks of the 16,384-token budget):")
-        print(profile_steps(llm, prompts, args.temperature, skip_steps=1, steps=2))
+        print(profile_steps(llm, prompts, args.temperature, skip_steps=1, steps=2,
+                            sampling_params=args.sampling_params))
         for n in (len(prompts), 8):
             print(f"kernel profile, steps of {n} decodes:")
-            print(profile_steps(llm, prompts[:n], args.temperature, skip_steps=40, steps=10))
+            print(profile_steps(llm, prompts[:n], args.temperature, skip_steps=40, steps=10,
+                                sampling_params=args.sampling_params))
 
     if args.compare_hf:
         n, budget = args.compare_hf, args.hf_max_tokens
-        tokens, seconds = run_micro_vllm(llm, prompts[:n], [budget] * n, args.temperature)
+        tokens, seconds = run_micro_vllm(llm, prompts[:n], [budget] * n, args.temperature, args.sampling_params)
         results["compare_micro_vllm"] = {"requests": n, "output_tokens": tokens, "seconds": round(seconds, 3)}
         print(f"micro-vllm on {n} requests x {budget} tokens: {tokens / seconds:,.0f} tok/s ({seconds:.2f} s)")
         llm.shutdown()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -71,6 +72,24 @@ def test_every_timed_run_starts_from_an_empty_prefix_cache(tmp_path):
     for _ in range(2):
         throughput.run_micro_vllm(llm, prompts, [2, 2, 2], temperature=0.6)
     assert cached == [[0, 0, 0], [0, 0, 0]]
+
+
+def test_sampling_params_option_reaches_every_request(tmp_path):
+    """``--sampling-params`` JSON is merged over the recipe's SamplingParams; anything but a JSON
+    object is refused by the parser."""
+    llm = LLM(model=str(make_tiny_model("qwen3", tmp_path)), device="cpu", max_model_len=64)
+    generate, outputs = llm.generate, []
+    llm.generate = lambda *args, **kwargs: outputs.extend(generate(*args, **kwargs)) or outputs
+    extra = throughput.json_object('{"logprobs": 2, "top_k": 5, "temperature": 0}')
+    assert throughput.run_micro_vllm(llm, [[1, 2, 3], [4, 5]], [3, 2], 0.6, extra)[0] == 5
+    assert [len(o.outputs[0].logprobs) for o in outputs] == [3, 2]
+    assert all(len(position) in (2, 3) for o in outputs for position in o.outputs[0].logprobs)
+    params = throughput.recipe_params(4, 0.6, extra)
+    assert (params.max_tokens, params.temperature, params.top_k, params.logprobs) == (4, 0, 5, 2)
+    assert params.ignore_eos
+    for bad in ("[1]", "logprobs=5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="JSON"):
+            throughput.json_object(bad)
 
 
 def test_profile_steps_profiles_the_window_it_is_asked_for(tmp_path):

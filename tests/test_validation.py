@@ -38,6 +38,8 @@ BAD_SAMPLING_VALUES = {
     "skip_special_tokens": [0, None],
     "spaces_between_special_tokens": [1, "no"],
     "detokenize": [0, None],
+    "logprobs": [-2, 2**31, True, 1.0, "5"],
+    "prompt_logprobs": [-2, 2**31, False, 0.0, "0"],
     "output_kind": [0, 2, "DELTA", "FINAL_ONLY", None],
 }
 
@@ -50,6 +52,7 @@ BAD_CONFIG_VALUES = {
     (ModelConfig, "attention_backend"): [5, ""],
     (ModelConfig, "seed"): [-1, 2**63, True, 1.5],
     (ModelConfig, "enforce_eager"): [1, "no", None],
+    (ModelConfig, "max_logprobs"): [-2, None, True, 2**31, 20.0],
     (ModelConfig, "custom_ops"): ["all", 5, ["rms_norm"], ["+flash_attn"], ["+"], [""], [None], ["ALL"],
                                   ["all", "none"], ["+rms_norm", "-rms_norm"]],
     (SchedulerConfig, "max_model_len"): [0, True, 2**31, 1.5, "64"],
@@ -92,7 +95,8 @@ def test_bad_sampling_value_is_named(field, value):
         SamplingParams(**{field: value})
 
 
-INT_FIELDS = {"n": (1, MAX_N), "max_tokens": (1, None), "top_k": (-1, INT32_MAX), "seed": (0, INT64_MAX)}
+INT_FIELDS = {"n": (1, MAX_N), "max_tokens": (1, None), "top_k": (-1, INT32_MAX), "seed": (0, INT64_MAX),
+              "logprobs": (-1, INT32_MAX), "prompt_logprobs": (-1, INT32_MAX)}
 BOUNDARIES = [v + d for v in (-1, 0, 1, INT32_MAX, INT64_MAX, 2**64) for d in (-1, 0, 1)]
 
 
@@ -288,6 +292,26 @@ def test_bad_prompt_is_refused_before_any_work(untouched, prompts, error, match)
 def test_bad_sampling_params_argument_is_refused_before_any_work(untouched, sampling_params, match):
     with pytest.raises(TypeError, match=match):
         untouched.generate([GOOD, GOOD], sampling_params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+@pytest.mark.parametrize("value", [21, -1])
+def test_logprobs_over_max_logprobs_are_refused_before_any_work(untouched, field, value):
+    """vLLM's default cap of 20 (ModelConfig.max_logprobs); -1 asks for the whole vocabulary."""
+    with pytest.raises(ValueError, match=named(field, value) + rf"None or an integer in \[0, 20\]: "
+                       rf"ModelConfig.max_logprobs is 20 and the vocabulary has {VOCAB_SIZE} tokens"):
+        untouched.generate([GOOD], SamplingParams(**{field: value}), use_tqdm=False)
+
+
+def test_max_logprobs_minus_one_allows_the_whole_vocabulary_and_no_more(model_dir):
+    with LLM(model=str(model_dir), device="cpu", max_model_len=64, max_logprobs=-1) as llm:
+        with pytest.raises(ValueError, match=named("logprobs", VOCAB_SIZE + 1) + rf"None or an integer in "
+                           rf"\[0, {VOCAB_SIZE}\], or -1 \(the whole vocabulary\)"):
+            llm.generate([GOOD], SamplingParams(logprobs=VOCAB_SIZE + 1), use_tqdm=False)
+        out = llm.generate([GOOD], SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=VOCAB_SIZE),
+                           use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) == VOCAB_SIZE
+    assert all(len(position) == VOCAB_SIZE for position in out.prompt_logprobs[1:])
 
 
 CONVERSATION = [{"role": "user", "content": "hi"}]

@@ -46,6 +46,9 @@ class ModelConfig:
     # default is all of them on CUDA when Triton is installed, none elsewhere; "all" or "none"
     # replaces it, then "+op" turns an op on and "-op" off. None keeps the default.
     custom_ops: list[str] | None = None
+    # The most logprobs (or prompt logprobs) a request may ask for (vLLM's name and default); -1: the
+    # whole vocabulary.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         check_str("model", self.model, "a model directory or a hub id (a non-empty string)")
@@ -62,6 +65,8 @@ class ModelConfig:
         check_field(self, "seed", check_int, 0, INT64_MAX)
         check_field(self, "enforce_eager", check_bool)
         check_field(self, "custom_ops", _check_custom_ops)
+        check_field(self, "max_logprobs", check_int, -1, allowed=f"-1 (the whole vocabulary) or an integer in "
+                    f"[0, {INT32_MAX}]")
 
 
 def _check_custom_ops(name: str, value: Any) -> tuple[str, ...] | None:

@@ -25,3 +25,13 @@ class CpuGpuBuffer:
             index = (slice(n),) if cols is None else (slice(n), slice(cols))
             self.device[index].copy_(self.cpu[index], non_blocking=True)
         return self.device[:n]
+
+
+def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, queued without blocking: valid once the stream has run
+    it (an event recorded after it). A tensor already on the host is returned as it is."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

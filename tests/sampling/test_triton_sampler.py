@@ -139,10 +139,10 @@ def test_a_row_draws_the_same_token_beside_filtered_rows():
     temperature = torch.rand(17) + 0.5
     temperature[4] = 0.0
     seeds = torch.arange(17, dtype=torch.int64) * 104729 + 5
-    direct = Sampler(use_triton=True)(logits, _kernel_metadata(temperature, seeds))
+    direct = Sampler(use_triton=True)(logits, _kernel_metadata(temperature, seeds)).sampled_token_ids
     top_k = torch.zeros(17, dtype=torch.int32)
     top_k[16] = 5
-    filtered = Sampler(use_triton=True)(logits, _kernel_metadata(temperature, seeds, top_k=top_k))
+    filtered = Sampler(use_triton=True)(logits, _kernel_metadata(temperature, seeds, top_k=top_k)).sampled_token_ids
     assert filtered[:16].tolist() == direct[:16].tolist()
     assert direct[4].item() == logits[4].float().argmax().item()
     assert filtered[16].item() in logits[16].float().topk(5).indices.tolist()
@@ -155,7 +155,8 @@ def test_filtered_rows_follow_the_truncated_softmax():
     row = torch.linspace(-4.0, 4.0, vocab)
     metadata = _kernel_metadata(torch.full((draws,), temperature), torch.arange(draws, dtype=torch.int64) * 7919,
                                 top_k=torch.full((draws,), 4, dtype=torch.int32))
-    counts = torch.bincount(Sampler(use_triton=True)(row.repeat(draws, 1), metadata), minlength=vocab).double()
+    counts = torch.bincount(Sampler(use_triton=True)(row.repeat(draws, 1), metadata).sampled_token_ids,
+                            minlength=vocab).double()
     assert counts[:-4].sum() == 0
     assert_follows(counts, row, temperature, top_k=4)
 

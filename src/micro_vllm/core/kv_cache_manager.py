@@ -104,9 +104,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[BlocksPerGroup, int]:
         """The longest cached prefix of ``request`` that every group can reuse, and its length.
 
-        The last token is never a hit: it must be computed to get the logits of the next one.
+        The last token is never a hit: it must be computed to get the logits of the next one. A request
+        that asks for prompt logprobs gets no hit, as in vLLM: they need the logits of every prompt token.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [[] for _ in self.managers], 0
         block_hashes = update_block_hashes(request, self.block_size)
         hit_length = request.num_tokens - 1

@@ -93,6 +93,7 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)!r} is not allowed: this model has no tokenizer to make text")
+        self._check_num_logprobs(params)
         request = Request(request_id, token_ids, params, self.eos_token_ids)
         self.scheduler.check_fits(request)
         self.prompts[request_id] = text
@@ -206,6 +207,8 @@ class Engine:
         """Apply one step's sampled tokens: the scheduler ends requests at stop tokens and lengths,
         the output processor at stop strings, and the outputs are made."""
         finished = self.scheduler.update_from_output(runner_output)
+        if runner_output.logprobs or runner_output.prompt_logprobs_dict:
+            self.output_processor.update_logprobs(runner_output.logprobs, runner_output.prompt_logprobs_dict)
         outputs, stopped = self.output_processor.process_step(runner_output.req_ids)
         finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return self.output_processor.gather(outputs + self.output_processor.finish(finished))
@@ -229,6 +232,18 @@ class Engine:
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             max_num_seqs=config.scheduler_config.max_num_seqs,
         )
+
+    def _check_num_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's cap on ``logprobs`` and ``prompt_logprobs``: ``ModelConfig.max_logprobs`` (-1 in either
+        meaning the whole vocabulary), and never more than the vocabulary."""
+        max_logprobs = self.config.model_config.max_logprobs
+        limit = self.vocab_size if max_logprobs == -1 else min(max_logprobs, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and (self.vocab_size if value == -1 else value) > limit:
+                whole = ", or -1 (the whole vocabulary)" if limit == self.vocab_size else ""
+                raise reject(name, value, f"None or an integer in [0, {limit}]{whole}: ModelConfig.max_logprobs is "
+                             f"{max_logprobs} and the vocabulary has {self.vocab_size} tokens")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None when given as ids only) and its token ids, each of its parts checked."""

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from micro_vllm.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass
 class CompletionOutput:
     """One generated sequence. ``finish_reason`` is "stop" (EOS, a stop token or a stop string),
     "length" (``max_tokens`` or ``max_model_len``) or "abort", and None while it runs;
     ``stop_reason`` is the stop string or stop token id that ended it, None for EOS or any other end.
-    Logprobs are not computed yet: ``cumulative_logprob`` and ``logprobs`` are None."""
+    With ``SamplingParams.logprobs``, ``logprobs`` has a dict per token of ``token_ids`` and
+    ``cumulative_logprob`` sums their logprobs; both None otherwise."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -28,13 +31,15 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's output: the whole of it, or with ``RequestOutputKind.DELTA`` what is new since the
-    last one. ``prompt`` is None for a prompt given as token ids; ``prompt_logprobs`` is not computed
-    yet (None); ``num_cached_tokens`` counts the prompt tokens served by the prefix cache."""
+    last one. ``prompt`` is None for a prompt given as token ids; ``prompt_logprobs`` (with
+    ``SamplingParams.prompt_logprobs``, else None) has an entry per prompt token, the first None, once
+    the prompt is computed (a DELTA output gives them once); ``num_cached_tokens`` counts the prompt
+    tokens served by the prefix cache."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: None
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int

@@ -4,7 +4,8 @@ Each request has a ``RequestState`` (vLLM's name). One that streams (``output_ki
 DELTA) or has stop strings gets an ``IncrementalDetokenizer``, fed each step's new tokens: a stop
 string it finds ends the request, and a streaming request gets an output at every step that gives
 it tokens. A FINAL_ONLY request without stop strings is decoded once when it finishes, to the same
-text (see ``decode_output``), so the default path does no work per step.
+text (see ``decode_output``), so the default path does no work per step. A request that asks for
+logprobs or prompt logprobs has a ``LogprobsProcessor`` fed each step's rows (``update_logprobs``).
 
 A request with ``n > 1`` is a ``ParentRequest`` (``parallel_sampling.py``) whose children each have a
 state here; ``gather`` turns a step's outputs of its children into one output of the parent.
@@ -17,8 +18,10 @@ from collections.abc import Iterable
 
 from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.engine.detokenizer import IncrementalDetokenizer, decode_output
+from micro_vllm.engine.logprobs import LogprobsProcessor
 from micro_vllm.engine.output import CompletionOutput, RequestOutput
 from micro_vllm.engine.parallel_sampling import ParentRequest
+from micro_vllm.outputs import LogprobsLists
 from micro_vllm.sampling.params import RequestOutputKind
 
 
@@ -42,6 +45,9 @@ class RequestState:
                 detokenize=params.detokenize,
             )
         self.num_sent_tokens = 0  # output tokens the DELTA outputs have given out
+        self.logprobs_processor: LogprobsProcessor | None = None
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self.logprobs_processor = LogprobsProcessor(tokenizer, params)
 
     def update(self) -> str | None:
         """Feed the detokenizer the request's new tokens; return the stop string it found, if any."""
@@ -52,22 +58,31 @@ class RequestState:
     def make_output(self) -> RequestOutput:
         request = self.request
         finished = request.is_finished
+        delta = self.output_kind is RequestOutputKind.DELTA
+        first = 0  # the first output token this output gives
         if self.detokenizer is None:
             token_ids = request.output_token_ids
             text = self._decode_once(token_ids)
         else:
-            delta = self.output_kind is RequestOutputKind.DELTA
             all_token_ids = self.detokenizer.token_ids
-            token_ids = all_token_ids[self.num_sent_tokens if delta else 0:]
+            first = self.num_sent_tokens if delta else 0
+            token_ids = all_token_ids[first:]
             self.num_sent_tokens = len(all_token_ids)
             text = self.detokenizer.get_next_output_text(finished, delta)
+        logprobs = cumulative_logprob = prompt_logprobs = None
+        if self.logprobs_processor is not None:
+            processor = self.logprobs_processor
+            if processor.logprobs is not None:
+                logprobs = processor.logprobs[first:]
+            cumulative_logprob = processor.cumulative_logprob
+            prompt_logprobs = processor.pop_prompt_logprobs() if delta else processor.prompt_logprobs
         completion = CompletionOutput(
-            index=self.index, text=text, token_ids=token_ids, cumulative_logprob=None, logprobs=None,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            index=self.index, text=text, token_ids=token_ids, cumulative_logprob=cumulative_logprob,
+            logprobs=logprobs, finish_reason=request.finish_reason, stop_reason=request.stop_reason,
         )
         return RequestOutput(
             request_id=request.request_id, prompt=self.prompt, prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=None, outputs=[completion], finished=finished,
+            prompt_logprobs=prompt_logprobs, outputs=[completion], finished=finished,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
@@ -101,6 +116,14 @@ class OutputProcessor:
         if parent_req is not None:
             self.parent_requests[parent_req.request_id] = parent_req
             self.parent_of[request.request_id] = parent_req
+
+    def update_logprobs(self, logprobs: dict[str, LogprobsLists], prompt_logprobs: dict[str, LogprobsLists]) -> None:
+        """Give each request's logprobs processor the step's rows (a request that has ended since the
+        step was planned is gone, as its token is)."""
+        for req_id in logprobs.keys() | prompt_logprobs.keys():
+            state = self.states.get(req_id)
+            if state is not None:
+                state.logprobs_processor.update_from_output(logprobs.get(req_id), prompt_logprobs.get(req_id))
 
     def process_step(self, req_ids: Iterable[str]) -> tuple[list[RequestOutput], list[str]]:
         """Detokenize the step's new tokens. Returns the outputs of the streaming requests that go

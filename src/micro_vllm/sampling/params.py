@@ -56,6 +56,12 @@ class SamplingParams:
     text; ``spaces_between_special_tokens`` is accepted for vLLM's sake and changes nothing (the
     detokenizer's docstring says why); ``detokenize=False`` gives token ids only (and no stop
     strings). ``output_kind`` says what ``Engine.step`` streams; ``LLM.generate`` uses FINAL_ONLY.
+
+    ``logprobs=k`` returns, for each output token, its log probability and those of the top k tokens
+    (``CompletionOutput.logprobs``); ``prompt_logprobs=k`` the same for each prompt token after the
+    first (``RequestOutput.prompt_logprobs``); -1 means the whole vocabulary. They are the model's raw
+    log-softmax, before temperature or any filter, as vLLM's default; at most
+    ``ModelConfig.max_logprobs`` (the engine checks it).
     """
 
     n: int = 1
@@ -71,6 +77,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -92,6 +100,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                      "detokenize"):
             check_field(self, name, check_bool)
+        for name in ("logprobs", "prompt_logprobs"):
+            check_field(self, name, _num_logprobs)
         if self.stop and not self.detokenize:
             raise ValueError(
                 f"stop={list(self.stop)!r} is not allowed with detokenize=False; stop strings are matched on the text"
@@ -110,6 +120,12 @@ def _temperature(name: str, value: object) -> float:
         logger.warning("%s=%r is below %r; using %r", name, temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
         return MIN_TEMPERATURE
     return temperature
+
+
+def _num_logprobs(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    return check_int(name, value, -1, allowed=f"None, -1 (the whole vocabulary) or an integer in [0, {INT32_MAX}]")
 
 
 def _stop_token_ids(name: str, value: object) -> tuple[int, ...]:

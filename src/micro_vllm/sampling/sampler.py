@@ -7,6 +7,10 @@ A Sampler built with ``use_triton`` draws every batch that samples with the Trit
 (``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it, with
 a Philox seed per row, so the same independence holds); a batch with top-k / top-p rows filters the
 scaled logits here first.
+
+When a row of the batch asks for logprobs, the sampler also returns for every row the raw logprobs
+(``logprobs.py``) of its sampled token and of as many top tokens as the row that asks for most:
+computed from the logits it was given, before it scales or filters them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import torch
 
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 
 
 @dataclass
@@ -30,6 +35,14 @@ class SamplingMetadata:
     # int64 [n], one Philox seed per row: set when the batch draws with the Triton sampler, which then
     # replaces the generators.
     seeds: torch.Tensor | None = None
+    # The most logprobs a row asks for (-1 resolved to the vocabulary); None: no row asks.
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [n]
+    logprobs_tensors: LogprobsTensors | None  # when a row asked: its sampled token's and the top max_num_logprobs
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -78,7 +91,15 @@ class Sampler:
             metadata.generators = {row: torch.Generator(device=self.device).manual_seed(seed)
                                    for row, seed in row_seeds.items()}
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        num_logprobs = metadata.max_num_logprobs
+        raw_logprobs = None if num_logprobs is None else compute_logprobs(logits)
+        sampled = self.sample(logits, metadata)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, num_logprobs, sampled))
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
             return logits.argmax(dim=-1)
         filtered = metadata.top_k is not None or metadata.top_p is not None

@@ -12,7 +12,8 @@ from micro_vllm.core.scheduler_output import BlockIds, NewRequestData
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: list[int]) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: list[int], vocab_size: int) -> None:
+        self.vocab_size = vocab_size
         self.req_ids: list[str] = []  # row i holds req_ids[i]; rows stay dense
         self.row_of: dict[str, int] = {}
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
@@ -25,6 +26,9 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, np.int32)
         self.top_p = np.ones(max_num_reqs, np.float32)
         self.seed = np.full(max_num_reqs, -1, np.int64)  # -1: no seed of its own, or greedy
+        # How many top logprobs a row asks for, of its samples and of its prompt; -1: none.
+        self.num_logprobs = np.full(max_num_reqs, -1, np.int32)
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, np.int32)
         # Where the row's token is in the last step's sampled tensor; -1: it sampled nothing there.
         self.last_sample_index = np.full(max_num_reqs, -1, np.int64)
 
@@ -54,6 +58,16 @@ class InputBatch:
         self.top_p[row] = params.top_p
         self.seed[row] = params.seed if params.seed is not None and not params.greedy else -1
         self.last_sample_index[row] = -1
+        self.num_logprobs[row] = self._num_logprobs(params.logprobs)
+        # A request resumed after preemption with output tokens had its whole prompt's logprobs already;
+        # a one-token prompt has none to compute.
+        needs_prompt_logprobs = n == new.num_prompt_tokens and n > 1
+        self.num_prompt_logprobs[row] = self._num_logprobs(params.prompt_logprobs) if needs_prompt_logprobs else -1
+
+    def _num_logprobs(self, requested: int | None) -> int:
+        if requested is None:
+            return -1
+        return self.vocab_size if requested == -1 else requested
 
     def append_block_ids(self, row: int, block_ids: BlockIds) -> None:
         for table, count, ids in zip(self.block_tables, self.num_blocks, block_ids):
@@ -70,7 +84,8 @@ class InputBatch:
             self.req_ids[row] = moved
             self.row_of[moved] = row
             for array in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens, self.temperature,
-                          self.top_k, self.top_p, self.seed, self.last_sample_index, *self.num_blocks):
+                          self.top_k, self.top_p, self.seed, self.last_sample_index, self.num_logprobs,
+                          self.num_prompt_logprobs, *self.num_blocks):
                 array[row] = array[last]
             n = self.num_tokens[row]
             self.token_ids[row, :n] = self.token_ids[last, :n]

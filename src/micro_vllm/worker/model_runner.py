@@ -22,9 +22,10 @@ from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.model_loader.checkpoint import load_model
-from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
-from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.outputs import AsyncModelRunnerOutput, LogprobsLists, ModelRunnerOutput
+from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from micro_vllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, copy_to_host
 from micro_vllm.worker.cuda_graphs import CudaGraphs, cuda_graph_sizes, pad_decode_batch
 from micro_vllm.worker.dummy_run import warm_up
 from micro_vllm.worker.input_batch import InputBatch
@@ -48,21 +49,30 @@ class RunnerSettings:
 
 
 class DeviceStepOutput(AsyncModelRunnerOutput):
-    """The tokens one step samples, on their way to the host (vLLM: AsyncGPUModelRunnerOutput).
-    ``get_output`` waits for them and returns them."""
+    """The tokens one step samples, on their way to the host (vLLM: AsyncGPUModelRunnerOutput), with
+    the logprobs some requests asked for. ``get_output`` waits for them and returns them.
+
+    ``logprobs_rows`` are the sample rows whose request asked for logprobs (their rows of the
+    sampler's logprobs); ``prompt_logprobs`` the host copies, chunk by chunk, of the whole prompt of
+    each request whose first token the step samples (queued before this step's event)."""
 
     def __init__(self, req_ids: list[str], sample_rows: np.ndarray, positions: np.ndarray,
-                 sampled: torch.Tensor | None) -> None:
+                 sampled: SamplerOutput | None, logprobs_rows: np.ndarray | None = None,
+                 prompt_logprobs: dict[str, list[LogprobsTensors]] | None = None) -> None:
         self.req_ids = req_ids
         self.sample_rows = sample_rows  # in the step's request order
         self.positions = positions  # where each sampled token goes in its request's token ids
-        self.sampled = sampled  # on the device; the next step reads it for its decodes
+        # On the device; the next step reads it for its decodes.
+        self.sampled = None if sampled is None else sampled.sampled_token_ids
         self.fetched = sampled is None
         self.ready: torch.cuda.Event | None = None
-        self.host = sampled
-        if sampled is not None and sampled.is_cuda:
-            self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self.host.copy_(sampled, non_blocking=True)
+        self.host = None if sampled is None else copy_to_host(self.sampled)
+        self.logprobs = None
+        if sampled is not None and sampled.logprobs_tensors is not None:
+            self.logprobs = sampled.logprobs_tensors.to_host()
+        self.logprobs_rows = logprobs_rows
+        self.prompt_logprobs = prompt_logprobs or {}
+        if self.sampled is not None and self.sampled.is_cuda:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
@@ -75,7 +85,27 @@ class DeviceStepOutput(AsyncModelRunnerOutput):
         self.fetched = True
         for index, token_id in zip(self.sample_rows.tolist(), self.host.tolist()):
             tokens[index] = [token_id]
-        return ModelRunnerOutput(self.req_ids, tokens)
+        logprobs = {}
+        if self.logprobs is not None:
+            lists = self.logprobs.tolists()
+            for row in self.logprobs_rows.tolist():
+                req_id = self.req_ids[self.sample_rows[row]]
+                logprobs[req_id] = LogprobsLists([lists.logprob_token_ids[row]], [lists.logprobs[row]],
+                                                 [lists.ranks[row]])
+        prompt_logprobs = {req_id: LogprobsTensors.cat(chunks).tolists()
+                           for req_id, chunks in self.prompt_logprobs.items()}
+        return ModelRunnerOutput(self.req_ids, tokens, logprobs, prompt_logprobs)
+
+
+@dataclass(frozen=True)
+class PromptLogprobsSlice:
+    """The tokens of one request in a step whose next token is a prompt token, for its prompt logprobs."""
+
+    req_id: str
+    tokens: slice  # in the step's tokens (maybe none); the tokens they predict are at the same indices of the targets
+    num_logprobs: int
+    # The step computes the prompt's last token (and samples): the prompt's logprobs go out with that token.
+    completes: bool
 
 
 @dataclass
@@ -90,6 +120,8 @@ class StepInputs:
     sample_rows: np.ndarray  # positions in the step's request order of those requests
     sampling_metadata: SamplingMetadata
     cuda_graph_size: int | None  # the captured batch the step is padded to and replays; None: eager
+    prompt_logprobs: list[PromptLogprobsSlice]  # empty unless a request of the step asks for prompt logprobs
+    prompt_logprob_targets: torch.Tensor | None  # per step token, the prompt token it predicts (in the slices)
 
 
 class ModelRunner:
@@ -104,6 +136,9 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.backend = self.attn_backend
         self.sampler = Sampler("sampler" in settings.custom_ops, settings.seed, self.device, settings.max_num_seqs)
+        self.vocab_size = hf_config.vocab_size
+        # Per request, its prompt logprobs computed so far (host copies by chunk), until its last chunk.
+        self.in_progress_prompt_logprobs: dict[str, list[LogprobsTensors]] = {}
         self.input_batch: InputBatch | None = None
         self.cuda_graphs = CudaGraphs()
         # Marks when the last step's host-to-device copies finished: the host must not refill the
@@ -141,7 +176,7 @@ class ModelRunner:
             layer.kv_cache[:, 0].zero_()
         max_blocks = -(-settings.max_model_len // settings.block_size)
         max_reqs, max_tokens = settings.max_num_seqs, max(settings.max_num_batched_tokens, settings.max_num_seqs)
-        self.input_batch = InputBatch(max_reqs, settings.max_model_len, [max_blocks] * len(groups))
+        self.input_batch = InputBatch(max_reqs, settings.max_model_len, [max_blocks] * len(groups), self.vocab_size)
         self.buffers = InputBuffers(layers, self.attn_backend, groups, max_reqs, max_tokens, settings.max_model_len,
                                     settings.block_size, self.device)
         staged = lambda *shape, dtype=torch.int32: CpuGpuBuffer(shape, dtype, self.device)  # noqa: E731
@@ -151,6 +186,7 @@ class ModelRunner:
         self.top_p = staged(max_reqs, dtype=torch.float32)
         self.prev_token_dst = staged(max_reqs, dtype=torch.int64)  # step tokens that take ...
         self.prev_token_src = staged(max_reqs, dtype=torch.int64)  # ... the last step's sampled tokens
+        self.prompt_logprob_targets = staged(max_tokens, dtype=torch.int64)
         if self.device.type == "cuda":
             warm_up(self)
         if settings.use_cuda_graphs:
@@ -163,6 +199,7 @@ class ModelRunner:
         """Forget every request after a failed step: the persistent batch empties, and the tokens
         of the steps launched (which the scheduler will never see) are not read by the next."""
         self.input_batch.clear()
+        self.in_progress_prompt_logprobs.clear()
         self.last_output = None
         self.unapplied.clear()
 
@@ -177,14 +214,19 @@ class ModelRunner:
         inputs = self.prepare_inputs(plan, req_ids)
         hidden_states = self.run_model(inputs)
         sampled = self.sample(hidden_states, inputs)
+        prompt_logprobs = self.compute_prompt_logprobs(hidden_states, inputs) if inputs.prompt_logprobs else None
         batch = self.input_batch
         sample_rows = inputs.batch_rows[inputs.sample_rows]
+        logprobs_rows = None
+        if sampled.logprobs_tensors is not None:
+            logprobs_rows = np.flatnonzero(batch.num_logprobs[sample_rows] >= 0)
         # The new tokens count from now on; their ids reach token_ids once the engine fetched them.
         positions = batch.num_tokens[sample_rows].astype(np.int64)
         batch.num_tokens[sample_rows] += 1
         batch.last_sample_index.fill(-1)
         batch.last_sample_index[sample_rows] = np.arange(len(sample_rows))
-        self.last_output = DeviceStepOutput(req_ids, inputs.sample_rows, positions, sampled)
+        self.last_output = DeviceStepOutput(req_ids, inputs.sample_rows, positions, sampled, logprobs_rows,
+                                            prompt_logprobs)
         self.unapplied.append(self.last_output)
         return self.last_output
 
@@ -207,6 +249,7 @@ class ModelRunner:
         for req_id in plan.finished_req_ids | plan.preempted_req_ids:
             if req_id in batch.row_of:
                 batch.remove_request(req_id)
+            self.in_progress_prompt_logprobs.pop(req_id, None)  # a preempted request computes its prompt anew
         for new in plan.scheduled_new_reqs:
             batch.add_request(new)
         cached_reqs = plan.scheduled_cached_reqs
@@ -257,6 +300,9 @@ class ModelRunner:
         num_samples = len(sample_rows)
         np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
         max_query_len, max_seq_len = int(num_scheduled.max()), int(seq_lens.max())
+        prompt_logprobs = []
+        if (batch.num_prompt_logprobs[rows] >= 0).any():
+            prompt_logprobs = self._plan_prompt_logprobs(req_ids, rows, query_start_loc, num_computed, num_scheduled)
         graph_size = self.cuda_graphs.size_for(num_reqs, num_tokens)
         padded_reqs, padded_tokens = num_reqs, num_tokens
         if graph_size is not None:  # the graph reads the step buffers: their rows up to its size
@@ -274,10 +320,37 @@ class ModelRunner:
             sample_rows=sample_rows,
             sampling_metadata=self._sampling_metadata(rows[sample_rows]),
             cuda_graph_size=graph_size,
+            prompt_logprobs=prompt_logprobs,
+            prompt_logprob_targets=self.prompt_logprob_targets.copy_to_device(num_tokens) if prompt_logprobs else None,
         )
         if self.copies_done is not None:
             self.copies_done.record()
         return inputs
+
+    def _plan_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, query_start_loc: np.ndarray,
+                              num_computed: np.ndarray, num_scheduled: np.ndarray) -> list[PromptLogprobsSlice]:
+        """For each request of the step that asks for prompt logprobs, its tokens whose next token is
+        a prompt token (the last of a chunk predicts the first of the next); their targets staged.
+
+        The prompt's logprobs go out with its first sampled token: a request preempted before that
+        computes its prompt anew, and one preempted after it resumes with that token, so it needs
+        none (``InputBatch.add_request``); a row whose prompt is done asks for none any more."""
+        batch = self.input_batch
+        targets = self.prompt_logprob_targets.np
+        slices = []
+        for i in np.flatnonzero(batch.num_prompt_logprobs[rows] >= 0).tolist():
+            row = rows[i]
+            num_prompt_tokens = int(batch.num_prompt_tokens[row])
+            start, stop = int(num_computed[i]), int(num_computed[i] + num_scheduled[i])
+            end = min(stop, num_prompt_tokens - 1)  # the last prompt token predicts no prompt token
+            first = int(query_start_loc[i])
+            tokens = slice(first, first + end - start)
+            targets[tokens] = batch.token_ids[row, start + 1 : end + 1]
+            completes = stop == num_prompt_tokens
+            slices.append(PromptLogprobsSlice(req_ids[i], tokens, int(batch.num_prompt_logprobs[row]), completes))
+            if completes:
+                batch.num_prompt_logprobs[row] = -1
+        return slices
 
     def _input_ids(self, rows: np.ndarray, query_start_loc: np.ndarray, num_tokens: int) -> torch.Tensor:
         """Copy the step's token ids to the device, then put in the tokens the last step sampled
@@ -303,12 +376,14 @@ class ModelRunner:
         temperature = np.take(batch.temperature, rows, out=self.temperature.np[:n])
         top_k = np.take(batch.top_k, rows, out=self.top_k.np[:n])
         top_p = np.take(batch.top_p, rows, out=self.top_p.np[:n])
+        num_logprobs = int(batch.num_logprobs[rows].max(initial=-1))
         metadata = SamplingMetadata(
             temperature=self.temperature.copy_to_device(n),
             top_k=self.top_k.copy_to_device(n) if top_k.any() else None,
             top_p=self.top_p.copy_to_device(n) if (top_p < 1).any() else None,
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
+            max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
         )
         # A seeded row's randomness depends only on (seed, output position): it survives preemption
         # and does not depend on what else is in the batch.
@@ -325,9 +400,27 @@ class ModelRunner:
             return self.cuda_graphs.replay(inputs.cuda_graph_size, inputs.num_reqs)
         return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
-    def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        """The logits of the requests that sample this step, and a token drawn for each (on the device)."""
+    def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
+        """The logits of the requests that sample this step, and a token drawn for each (on the device),
+        with the logprobs the batch asks for."""
         if len(inputs.sample_rows) < inputs.num_tokens:  # else every token samples (decodes): no gather
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states)
         return self.sampler(logits, inputs.sampling_metadata)
+
+    def compute_prompt_logprobs(self, hidden_states: torch.Tensor,
+                                inputs: StepInputs) -> dict[str, list[LogprobsTensors]]:
+        """The raw logprobs of the prompt tokens this step's tokens predict, per request that asks,
+        copied to the host without blocking; returns the whole prompt's of each request whose prompt
+        they complete. A request's logits are computed at all its slice's tokens at once."""
+        completed = {}
+        for part in inputs.prompt_logprobs:
+            chunks = self.in_progress_prompt_logprobs.setdefault(part.req_id, [])
+            if part.tokens.stop > part.tokens.start:
+                logits = self.model.compute_logits(hidden_states[part.tokens])
+                tensors = gather_logprobs(compute_logprobs(logits), part.num_logprobs,
+                                          inputs.prompt_logprob_targets[part.tokens])
+                chunks.append(tensors.to_host())
+            if part.completes:
+                completed[part.req_id] = self.in_progress_prompt_logprobs.pop(part.req_id)
+        return completed
