@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -241,6 +243,19 @@ def test_models_tokenize_detokenize_and_metrics(server, client):
                  "vllm:e2e_request_latency_seconds_count"):
         metric(text, name)
     assert metric(text, "vllm:generation_tokens_total") > 0
+
+
+def test_serve_benchmark_runs_against_the_server(server, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import serve as serve_benchmark
+
+    serve_benchmark.main(["--url", server, "--api-key", API_KEY, "--num-requests", "6", "--request-rate", "inf", "50",
+                          "--concurrency", "3", "--max-prompt-len", "20", "--max-output-len", "4", "--vocab-size", "256"])
+    runs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["request_rate"], r["concurrency"], r["num_requests"]) for r in runs] == [("inf", 3, 6), (50, 3, 6)]
+    for r in runs:
+        assert r["output_tokens"] == 6 * 4 and r["output_tokens_per_s"] > 0
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
 
 
 # -- the fields other branches add to SamplingParams ------------------------------------------------
