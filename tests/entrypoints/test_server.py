@@ -118,7 +118,7 @@ def test_stop_string_cuts_the_text(client):
 
 
 def test_a_disconnected_client_is_aborted_and_its_blocks_freed(server):
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 110, "temperature": 0, "ignore_eos": True,
             "stream": True}
     aborted_before = _aborted(metrics(server))
     with httpx.Client(headers={"Authorization": f"Bearer {API_KEY}"}) as http:
@@ -127,8 +127,11 @@ def test_a_disconnected_client_is_aborted_and_its_blocks_freed(server):
             assert next(line for line in lines if line.startswith("data:"))
             busy = metrics(server)
             assert metric(busy, "vllm:num_requests_running") == 1 and metric(busy, "vllm:kv_cache_usage_perc") > 0
-    text = assert_idle(server)
-    assert _aborted(text) == aborted_before + 1
+    assert _aborted(assert_idle(server)) == aborted_before + 1
+    with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a response that is not streamed
+        httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=0.25,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert _aborted(assert_idle(server)) == aborted_before + 2
 
 
 def _aborted(text: str) -> float:

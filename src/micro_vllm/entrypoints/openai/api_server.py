@@ -9,7 +9,9 @@ a model this server does not serve; none of them reaches the engine.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
@@ -77,12 +79,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         return serving.show_available_models()
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return _respond(await serving.create_completion(request))
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await _until_disconnected(serving.create_completion(request), raw_request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        return _respond(await serving.create_chat_completion(request))
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await _until_disconnected(serving.create_chat_completion(request), raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
@@ -95,10 +97,25 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
     return app
 
 
-def _respond(result):
-    if hasattr(result, "model_dump_json"):
-        return result
-    return StreamingResponse(result, media_type="text/event-stream")
+async def _until_disconnected(handler: Coroutine, raw_request: Request):
+    """Run a generation handler, cancelled (so its request aborted) if the client leaves before the
+    response starts; a stream's own cancellation is Starlette's, once it runs."""
+    work = asyncio.ensure_future(handler)
+    listener = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    done, _ = await asyncio.wait((work, listener), return_when=asyncio.FIRST_COMPLETED)
+    if work not in done:
+        work.cancel()
+        return Response(status_code=499)  # nobody reads it: the client is gone
+    listener.cancel()
+    result = work.result()
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return result
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error_json(body, status: HTTPStatus) -> JSONResponse:
