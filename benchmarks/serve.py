@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-prompt-len", type=int, default=None, help="cut the recipe's prompts to this many tokens")
     parser.add_argument("--max-output-len", type=int, default=None, help="cap the recipe's output lengths")
-    parser.add_argument("--vocab-size", type=int, default=None, help="fold the recipe's token ids into a smaller vocabulary")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="fold the recipe's token ids into a smaller vocabulary")
     args = parser.parse_args(argv)
 
     prompts, max_tokens = recipe_requests(args.num_requests)

@@ -252,8 +252,9 @@ def test_serve_benchmark_runs_against_the_server(server, capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import serve as serve_benchmark
 
-    serve_benchmark.main(["--url", server, "--api-key", API_KEY, "--num-requests", "6", "--request-rate", "inf", "50",
-                          "--concurrency", "3", "--max-prompt-len", "20", "--max-output-len", "4", "--vocab-size", "256"])
+    serve_benchmark.main(["--url", server, "--api-key", API_KEY, "--num-requests", "6", "--request-rate", "inf",
+                          "50", "--concurrency", "3", "--max-prompt-len", "20", "--max-output-len", "4",
+                          "--vocab-size", "256"])
     runs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["request_rate"], r["concurrency"], r["num_requests"]) for r in runs] == [("inf", 3, 6), (50, 3, 6)]
     for r in runs:
@@ -280,7 +281,8 @@ def test_n(client):
 def test_logprobs(client):
     choice = complete(client, "Hello", logprobs=2, max_tokens=4, extra_body={"ignore_eos": True}).choices[0]
     assert len(choice.logprobs.tokens) == 4 and "".join(choice.logprobs.tokens) == choice.text
-    for token, logprob, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+    logprobs = choice.logprobs
+    for logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
         assert logprob <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(logprob)  # greedy: the best
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
                                           max_completion_tokens=3, logprobs=True, top_logprobs=2)

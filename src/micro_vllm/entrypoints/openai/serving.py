@@ -96,38 +96,15 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self._check_model(request.model)
         text, token_ids = self._completion_prompt(request.prompt)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = await self._generate(request, text, token_ids, request_id)
-        model = self._model_name(request.model)
-        if request.stream:
-            return self._completion_stream(request, outputs, request_id, model, len(token_ids))
-        choices = await _gather(outputs)
-        return CompletionResponse(
-            id=request_id, model=model, usage=_usage(len(token_ids), choices.values()),
-            choices=[CompletionResponseChoice(
-                index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=self._completion_logprobs(c.token_ids, c.logprobs, request.logprobs) if c.logprobs else None,
-            ) for i, c in sorted(choices.items())],
-        )
+        return await self._serve(request, text, token_ids, "cmpl")
 
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
         self._check_model(request.model)
         text = self._render_chat(request.messages, request.add_generation_prompt)
         # The template already holds any special tokens: encoding must not add them again.
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await self._generate(request, text, token_ids, request_id)
-        model = self._model_name(request.model)
-        if request.stream:
-            return self._chat_stream(request, outputs, request_id, model, len(token_ids))
-        choices = await _gather(outputs)
-        return ChatCompletionResponse(
-            id=request_id, model=model, usage=_usage(len(token_ids), choices.values()),
-            choices=[ChatCompletionResponseChoice(
-                index=i, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason, logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0) if c.logprobs else None,
-            ) for i, c in sorted(choices.items())],
-        )
+        return await self._serve(request, text, self.tokenizer.encode(text, add_special_tokens=False), "chatcmpl")
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self._check_model(request.model)
@@ -180,6 +157,28 @@ class OpenAIServing:
         conversation = [{"role": m.role, "content": _message_text(m.content)} for m in messages]
         return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+    async def _serve(self, request, text: str | None, token_ids: list[int], id_prefix: str):
+        """Run a completion or chat request: its stream of events, or its whole response."""
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        outputs = await self._generate(request, text, token_ids, request_id)
+        model = self._model_name(request.model)
+        chat = isinstance(request, ChatCompletionRequest)
+        if request.stream:
+            return self._stream(request, outputs, request_id, model, len(token_ids))
+        choices = sorted((await _gather(outputs)).items())
+        usage = _usage(len(token_ids), [c for _, c in choices])
+        if chat:
+            return ChatCompletionResponse(id=request_id, model=model, usage=usage, choices=[
+                ChatCompletionResponseChoice(
+                    index=i, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason, logprobs=self._chat_logprobs(request, c.token_ids, c.logprobs),
+                ) for i, c in choices])
+        return CompletionResponse(id=request_id, model=model, usage=usage, choices=[
+            CompletionResponseChoice(
+                index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=self._completion_logprobs(request, c.token_ids, c.logprobs),
+            ) for i, c in choices])
+
     async def _generate(self, request, text: str | None, token_ids: list[int],
                         request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Start the request; return its outputs once the engine has accepted it and given the first."""
@@ -200,75 +199,74 @@ class OpenAIServing:
 
     # -- responses out -------------------------------------------------------------------------
 
-    async def _completion_stream(self, request: CompletionRequest, outputs, request_id: str, model: str,
-                                 num_prompt_tokens: int) -> AsyncIterator[str]:
+    async def _stream(self, request, outputs, request_id: str, model: str,
+                      num_prompt_tokens: int) -> AsyncIterator[str]:
+        """Server-sent events: a chunk for each choice's new text (in chat, a first chunk naming the
+        role), the usage if asked, then [DONE]. An engine that dies mid-stream ends it with an error event
+        (the status was sent already)."""
+        chat = isinstance(request, ChatCompletionRequest)
+        response_cls = ChatCompletionStreamResponse if chat else CompletionResponse
         choices: dict[int, _Choice] = {}
-        async for output in _sse_errors(outputs):
-            if isinstance(output, str):
-                yield output
-                return
-            for completion in output.outputs:
-                choices.setdefault(completion.index, _Choice()).add(completion)
-                if not (completion.text or completion.finish_reason):
-                    continue
-                logprobs = completion.logprobs
-                choice = CompletionResponseChoice(
-                    index=completion.index, text=completion.text, finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                    logprobs=self._completion_logprobs(completion.token_ids, logprobs, request.logprobs) if logprobs else None,
-                )
-                yield _sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
-        if request.include_usage:
-            yield _sse(CompletionResponse(id=request_id, model=model, choices=[],
-                                          usage=_usage(num_prompt_tokens, choices.values())))
+        try:
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    for completion in output.outputs:
+                        if chat and completion.index not in choices:
+                            role = ChatCompletionStreamChoice(index=completion.index,
+                                                              delta=DeltaMessage(role="assistant", content=""))
+                            yield _sse(response_cls(id=request_id, model=model, choices=[role]))
+                        choices.setdefault(completion.index, _Choice()).add(completion)
+                        if completion.text or completion.finish_reason:
+                            choice = self._stream_choice(request, completion)
+                            yield _sse(response_cls(id=request_id, model=model, choices=[choice]))
+        except EngineDeadError as error:
+            yield _sse(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR))
+        else:
+            if request.include_usage:
+                usage = _usage(num_prompt_tokens, choices.values())
+                yield _sse(response_cls(id=request_id, model=model, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
-    async def _chat_stream(self, request: ChatCompletionRequest, outputs, request_id: str, model: str,
-                           num_prompt_tokens: int) -> AsyncIterator[str]:
-        def chunk(choice_list, usage=None) -> str:
-            return _sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=choice_list, usage=usage))
-
-        choices: dict[int, _Choice] = {}
-        async for output in _sse_errors(outputs):
-            if isinstance(output, str):
-                yield output
-                return
-            for completion in output.outputs:
-                if completion.index not in choices:  # the first chunk of each choice names the role
-                    yield chunk([ChatCompletionStreamChoice(index=completion.index,
-                                                            delta=DeltaMessage(role="assistant", content=""))])
-                choices.setdefault(completion.index, _Choice()).add(completion)
-                if not (completion.text or completion.finish_reason):
-                    continue
-                logprobs = completion.logprobs
-                yield chunk([ChatCompletionStreamChoice(
-                    index=completion.index, delta=DeltaMessage(content=completion.text),
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                    logprobs=self._chat_logprobs(completion.token_ids, logprobs, request.top_logprobs or 0) if logprobs else None,
-                )])
-        if request.include_usage:
-            yield chunk([], _usage(num_prompt_tokens, choices.values()))
-        yield "data: [DONE]\n\n"
+    def _stream_choice(self, request, completion: CompletionOutput):
+        if isinstance(request, ChatCompletionRequest):
+            return ChatCompletionStreamChoice(
+                index=completion.index, delta=DeltaMessage(content=completion.text),
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                logprobs=self._chat_logprobs(request, completion.token_ids, completion.logprobs),
+            )
+        return CompletionResponseChoice(
+            index=completion.index, text=completion.text, finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            logprobs=self._completion_logprobs(request, completion.token_ids, completion.logprobs),
+        )
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict], top_n: int) -> CompletionLogprobs:
+    def _completion_logprobs(self, request: CompletionRequest, token_ids: list[int],
+                             logprobs: list[dict] | None) -> CompletionLogprobs | None:
         """OpenAI's legacy shape from the engine's logprobs (vLLM's: per position, token id -> Logprob
-        with ``logprob`` and ``rank``, the sampled token's and the ``top_n`` best)."""
+        with ``logprob`` and ``rank``: the sampled token's, and the ``request.logprobs`` best)."""
+        if not logprobs:
+            return None
         result = CompletionLogprobs()
         offset = 0
         for token_id, position in zip(token_ids, logprobs):
             token = self._token_text(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(position[token_id].logprob)
-            result.top_logprobs.append({self._token_text(t): lp.logprob for t, lp in position.items() if lp.rank <= top_n})
+            result.top_logprobs.append({self._token_text(t): lp.logprob for t, lp in position.items()
+                                        if lp.rank <= request.logprobs})
             result.text_offset.append(offset)
             offset += len(token)
         return result
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict], top_n: int) -> ChatChoiceLogprobs:
-        """OpenAI's chat shape: each position's sampled token, and the ``top_n`` best (by rank)."""
+    def _chat_logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
+                       logprobs: list[dict] | None) -> ChatChoiceLogprobs | None:
+        """OpenAI's chat shape: each position's sampled token, and the ``request.top_logprobs`` best."""
+        if not logprobs:
+            return None
+        top_n = request.top_logprobs or 0
         def entry(token_id: int, logprob: float) -> ChatLogprob:
             token = self._token_text(token_id)
             return ChatLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
@@ -316,17 +314,6 @@ async def _gather(outputs) -> dict[int, _Choice]:
             for completion in output.outputs:
                 choices.setdefault(completion.index, _Choice()).add(completion)
     return choices
-
-
-async def _sse_errors(outputs):
-    """The outputs, then, if the engine dies mid-stream, the error as a last event (the status is sent)."""
-    async with contextlib.aclosing(outputs):
-        try:
-            async for output in outputs:
-                yield output
-        except EngineDeadError as error:
-            body = error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR)
-            yield f"data: {body.model_dump_json()}\n\ndata: [DONE]\n\n"
 
 
 def _sse(response) -> str:
