@@ -1,5 +1,5 @@
-"""The app on an engine whose loop dies: the waiting request gets a 500 error object, /health turns
-503, and later requests are refused with the loop's error (in-process, through ASGI)."""
+"""The app on an engine whose loop dies while a request runs: that request gets a 500 error object,
+/health turns 503, and later requests are refused with the loop's error (in-process, through ASGI)."""
 
 import asyncio
 
@@ -17,8 +17,13 @@ def test_a_dead_engine_loop_fails_requests_and_health(tmp_path):
     logger = PrometheusStatLogger("tiny")
     engine = AsyncLLM(config, stat_loggers=[logger])
 
-    def failing_step():
-        raise RuntimeError("boom in a step")
+    step, calls = engine.engine.step, []
+
+    def failing_step():  # dies once the first output is out: inside the response, not before it
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom in a step")
+        return step()
 
     engine.engine.step = failing_step
     app = build_app(engine, ["tiny"], "tiny", logger)
@@ -36,6 +41,7 @@ def test_a_dead_engine_loop_fails_requests_and_health(tmp_path):
         failed, health, later = asyncio.run(main())
     finally:
         engine.shutdown()
+    assert len(calls) == 3
     assert failed.status_code == 500 and "boom in a step" in failed.json()["error"]["message"]
     assert health.status_code == 503
     assert later.status_code == 500 and later.json()["error"]["code"] == 500

@@ -4,7 +4,7 @@
 command line's settings and runs the app under uvicorn. Every refusal is OpenAI's error object with
 its status: 400 for a body that is not JSON or has a missing or wrong field (pydantic's check, before
 any handler runs) and for what the engine refuses, 401 for a wrong API key (routes under /v1), 404 for
-a model this server does not serve; none of them reaches the engine.
+a model this server does not serve; none of them reaches the engine. A dead engine loop gives 500.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from micro_vllm.engine.async_llm import AsyncLLM
+from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from micro_vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +45,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
         return _error_json(error.response(), error.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
+        return _error_json(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR),
+                           HTTPStatus.INTERNAL_SERVER_ERROR)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -181,7 +181,8 @@ class OpenAIServing:
 
     async def _generate(self, request, text: str | None, token_ids: list[int],
                         request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """Start the request; return its outputs once the engine has accepted it and given the first."""
+        """Start the request; return its outputs once the engine has accepted it and given the first.
+        An EngineDeadError passes through (the app answers it with a 500)."""
         room = self.engine.max_model_len - len(token_ids)
         if room < 1:
             raise OpenAIError(f"This model's maximum context length is {self.engine.max_model_len} tokens, but the "
@@ -193,8 +194,6 @@ class OpenAIServing:
             first = await anext(outputs)
         except (ValueError, TypeError) as error:
             raise OpenAIError(str(error), param=_named_field(str(error))) from None
-        except EngineDeadError as error:
-            raise OpenAIError(str(error), HTTPStatus.INTERNAL_SERVER_ERROR) from None
         return _prepend(first, outputs)
 
     # -- responses out -------------------------------------------------------------------------
