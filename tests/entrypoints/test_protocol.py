@@ -46,6 +46,8 @@ def test_response_format():
         request = CompletionRequest(prompt="x", response_format={"type": "json_schema",
                                                                  "json_schema": {"name": "a", "schema": {}}})
         assert to_sampling_params(request, room=50).structured_outputs.json == {}
+        json_object = CompletionRequest(prompt="x", response_format={"type": "json_object"})
+        assert to_sampling_params(json_object, room=50).structured_outputs.json_object
     else:
         with pytest.raises(ValueError, match="response_format=.*json_object.* is not supported"):
             to_sampling_params(CompletionRequest(prompt="x", response_format={"type": "json_object"}), room=50)

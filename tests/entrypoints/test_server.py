@@ -2,7 +2,8 @@
 completions and chat, streamed and not, stop strings, usage; a client that disconnects mid-stream is
 aborted and its blocks freed; a load of concurrent streaming clients with disconnects and malformed
 requests mixed in; error statuses. Fields that other parts of the engine add (``n``, logprobs,
-penalties, structured outputs) are tested here too, and skipped until SamplingParams has them."""
+penalties, logit_bias) are tested here too, and skipped until SamplingParams has them (structured
+outputs: in test_server_default_model.py, which a random model could not finish)."""
 
 from __future__ import annotations
 
@@ -280,10 +281,11 @@ def test_n(client):
 @needs("logprobs")
 def test_logprobs(client):
     choice = complete(client, "Hello", logprobs=2, max_tokens=4, extra_body={"ignore_eos": True}).choices[0]
-    assert len(choice.logprobs.tokens) == 4 and "".join(choice.logprobs.tokens) == choice.text
     logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
     for logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
-        assert logprob <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(logprob)  # greedy: the best
+        # greedy: the sampled token is the best; two tokens may decode to the same text (a partial UTF-8 byte)
+        assert logprob <= 0 and 1 <= len(top) <= 2 and max(top.values()) <= logprob + 1e-5
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
                                           max_completion_tokens=3, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
@@ -303,16 +305,3 @@ def test_penalties_min_p_and_min_tokens_are_accepted(client):
 def test_logit_bias_forces_a_token(client):
     response = complete(client, "Hello", logit_bias={str(ord("z")): 100}, max_tokens=4, extra_body={"ignore_eos": True})
     assert response.choices[0].text == "zzzz"
-
-
-@needs("structured_outputs")
-def test_json_schema_output_validates(client):
-    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
-              "required": ["answer"], "additionalProperties": False}
-    response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "yes or no?"}], max_completion_tokens=40,
-        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
-    )
-    assert json.loads(response.choices[0].message.content)["answer"] in ("yes", "no")
-    text = complete(client, "{", max_tokens=40, response_format={"type": "json_object"}).choices[0].text
-    assert isinstance(json.loads(text), dict)

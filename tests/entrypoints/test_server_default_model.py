@@ -1,9 +1,14 @@
 """``micro-vllm serve`` on the default model (SmolLM2-135M-Instruct, CPU), driven with the official
 ``openai`` client: a chat answer through the model's own template, streamed text equal to the
-non-streamed text for the same seed, and a stop string on real text."""
+non-streamed text for the same seed, a stop string on real text, and (once SamplingParams has
+``structured_outputs``) a JSON schema the answer validates against."""
+
+import json
 
 import openai
 import pytest
+
+from micro_vllm import SamplingParams
 
 from micro_vllm.model_loader.default_model_download import DEFAULT_MODEL, DefaultModelUnavailable, default_model_path
 from helpers.server import serve
@@ -39,3 +44,16 @@ def test_completion_stops_at_a_stop_string(client):
                                          stop=[" 6"])
     choice = response.choices[0]
     assert choice.text == " 4, 5," and choice.finish_reason == "stop" and choice.stop_reason == " 6"
+
+
+@pytest.mark.skipif("structured_outputs" not in SamplingParams.__dataclass_fields__,
+                    reason="SamplingParams has no 'structured_outputs' yet")
+def test_json_schema_output_validates(client):
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "enum": ["Paris", "Rome", "Berlin"]}},
+              "required": ["capital"], "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        temperature=0, max_tokens=30,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    assert json.loads(response.choices[0].message.content) == {"capital": "Paris"}

@@ -169,7 +169,7 @@ def _structured_outputs(response_format: ResponseFormat | None):
         return None
     if "structured_outputs" not in SamplingParams.__dataclass_fields__:
         raise ValueError(f"response_format={{'type': {response_format.type!r}}} is not supported by this engine")
-    from micro_vllm.sampling.params import StructuredOutputsParams
+    from micro_vllm.structured_output.params import StructuredOutputsParams
 
     if response_format.type == "json_object":
         return StructuredOutputsParams(json_object=True)
