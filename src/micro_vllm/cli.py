@@ -1,7 +1,8 @@
-"""The ``micro-vllm`` command: generate text, and read the traces a run writes.
+"""The ``micro-vllm`` command: generate text, serve it over HTTP, and read the traces a run writes.
 
-``micro-vllm generate`` runs prompts (``--trace FILE`` records the run); ``micro-vllm trace
-summarize | plot | export FILE`` turn a trace into figures, a picture, or a Chrome/Perfetto trace.
+``micro-vllm generate`` runs prompts (``--trace FILE`` records the run); ``micro-vllm serve [MODEL]``
+runs the OpenAI-compatible server; ``micro-vllm trace summarize | plot | export FILE`` turn a trace
+into figures, a picture, or a Chrome/Perfetto trace.
 """
 
 from __future__ import annotations
@@ -61,6 +62,44 @@ def _generate(args) -> int:
     return 0
 
 
+def _add_serve(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over HTTP with OpenAI's API")
+    p.add_argument("model", nargs="?", help="model directory or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' to /v1 routes")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) clients use (default: the model argument)")
+    p.add_argument("--device", default=ModelConfig.device)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=CacheConfig.enable_prefix_caching)
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def _serve(args) -> int:
+    from micro_vllm.config import LLMConfig
+    from micro_vllm.entrypoints.openai.api_server import run_server
+    from micro_vllm.model_loader.default_model_download import DEFAULT_MODEL, default_model_path
+
+    model = args.model or str(default_model_path())
+    config = LLMConfig.from_kwargs(
+        model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+    )
+    names = args.served_model_name or [args.model or DEFAULT_MODEL]
+    run_server(config, names, args.host, args.port, args.api_key, access_log=not args.disable_uvicorn_access_log)
+    return 0
+
+
 def _add_trace(subparsers) -> None:
     p = subparsers.add_parser("trace", help="summarize, plot or export a trace written with --trace / LLM(trace=...)")
     actions = p.add_subparsers(dest="trace_command", required=True)
@@ -99,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_serve(subparsers)
     _add_trace(subparsers)
     args = parser.parse_args(argv)
     try:
-        return _trace(args) if args.command == "trace" else _generate(args)
+        return {"generate": _generate, "serve": _serve, "trace": _trace}[args.command](args)
     except (ValueError, TypeError, RuntimeError, OSError) as error:
         print(f"micro-vllm: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,139 @@
+"""Load generator for a running ``micro-vllm serve`` (or any OpenAI-compatible server).
+
+    micro-vllm serve MODEL --port 8000 &
+    python benchmarks/serve.py --url http://localhost:8000 --request-rate inf 8 32 --concurrency 64 256
+
+Sends the throughput recipe's requests (``bench_model.recipe_requests``: prompts of token ids, output
+lengths, EOS ignored) as streamed ``/v1/completions``, arriving as a Poisson process at each request rate
+("inf": all at once) under each concurrency cap, and prints one JSON object per (rate, concurrency):
+output throughput, and time to first token and time per output token at p50 and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from bench_model import recipe_requests
+
+
+@dataclass
+class RequestResult:
+    ttft: float  # seconds to the first streamed chunk
+    latency: float  # seconds to the end of the stream
+    output_tokens: int
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (None for a single token)."""
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+async def _send(http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
+                temperature: float) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, output_tokens = None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"status {response.status_code}: {(await response.aread()).decode()[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if ttft is None and chunk["choices"]:
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                output_tokens = chunk["usage"]["completion_tokens"]
+    return RequestResult(ttft=ttft, latency=time.perf_counter() - start, output_tokens=output_tokens)
+
+
+async def run(url: str, model: str, prompts: list[list[int]], max_tokens: list[int], request_rate: float,
+              concurrency: int, temperature: float = 0.6, seed: int = 0, api_key: str | None = None) -> dict:
+    """Send every request (Poisson arrivals at ``request_rate`` per second, at most ``concurrency``
+    in flight) and return the figures of the run."""
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(http, prompt, n):
+        async with limit:
+            return await _send(http, model, prompt, n, temperature)
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=headers) as http:
+        start = time.perf_counter()
+        tasks = []
+        for prompt, n in zip(prompts, max_tokens):
+            tasks.append(asyncio.create_task(one(http, prompt, n)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        seconds = time.perf_counter() - start
+    output_tokens = sum(r.output_tokens for r in results)
+    ttfts = [r.ttft for r in results]
+    tpots = [r.tpot for r in results if r.tpot is not None] or [0.0]
+    return {
+        "request_rate": request_rate if request_rate != float("inf") else "inf",
+        "concurrency": concurrency,
+        "num_requests": len(results),
+        "seconds": round(seconds, 3),
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": round(output_tokens / seconds, 1),
+        "requests_per_s": round(len(results) / seconds, 3),
+        "ttft_ms_p50": _ms(_percentile(ttfts, 50)), "ttft_ms_p99": _ms(_percentile(ttfts, 99)),
+        "tpot_ms_p50": _ms(_percentile(tpots, 50)), "tpot_ms_p99": _ms(_percentile(tpots, 99)),
+    }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://localhost:8000")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--model", default=None, help="the served model name (default: the server's first)")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                        help="requests per second, Poisson arrivals; inf sends all at once")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[256], help="most requests in flight")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--max-prompt-len", type=int, default=None, help="cut the recipe's prompts to this many tokens")
+    parser.add_argument("--max-output-len", type=int, default=None, help="cap the recipe's output lengths")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="fold the recipe's token ids into a smaller vocabulary")
+    args = parser.parse_args(argv)
+
+    prompts, max_tokens = recipe_requests(args.num_requests)
+    if args.max_prompt_len:
+        prompts = [p[:args.max_prompt_len] for p in prompts]
+    if args.max_output_len:
+        max_tokens = [min(n, args.max_output_len) for n in max_tokens]
+    if args.vocab_size:
+        prompts = [[t % args.vocab_size for t in p] for p in prompts]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
+    for rate in args.request_rate:
+        for concurrency in args.concurrency:
+            print(json.dumps(asyncio.run(run(args.url, model, prompts, max_tokens, rate, concurrency,
+                                             args.temperature, api_key=args.api_key))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

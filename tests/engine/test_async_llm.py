@@ -1,0 +1,128 @@
+"""AsyncLLM on a tiny model: streamed deltas add up to the offline output, a cancelled caller's
+request is aborted and its blocks freed, a refused request fails only its caller, and a loop that
+dies fails every caller and the health check."""
+
+import asyncio
+
+import pytest
+
+from micro_vllm import LLM, SamplingParams
+from micro_vllm.config import LLMConfig
+from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
+
+KWARGS = dict(device="cpu", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
+PROMPTS = [[5 + i] * (3 + 4 * i) for i in range(4)]
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.scheduler_stats = []
+
+    def record(self, scheduler_stats, iteration_stats):
+        if scheduler_stats is not None:
+            self.scheduler_stats.append(scheduler_stats)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("async")))
+
+
+@pytest.fixture
+def llm(model):
+    logger = RecordingLogger()
+    engine = AsyncLLM(LLMConfig.from_kwargs(model, **KWARGS), stat_loggers=[logger])
+    engine.logger = logger
+    yield engine
+    engine.shutdown()
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def collect(llm, prompt, params, request_id):
+    return [out async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id)]
+
+
+def test_concurrent_streams_match_the_offline_outputs(llm, model):
+    async def main():
+        return await asyncio.gather(*(collect(llm, p, greedy(6), str(i)) for i, p in enumerate(PROMPTS)))
+
+    streamed = asyncio.run(main())
+    with LLM(model=model, **KWARGS) as offline:
+        expected = offline.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(6), use_tqdm=False)
+    for outputs, reference in zip(streamed, expected):
+        assert [o.finished for o in outputs] == [False] * 5 + [True]
+        assert [t for o in outputs for t in o.outputs[0].token_ids] == reference.outputs[0].token_ids
+        assert "".join(o.outputs[0].text for o in outputs) == reference.outputs[0].text
+
+
+def test_a_cancelled_caller_aborts_its_request_and_frees_its_blocks(llm):
+    async def main():
+        started = asyncio.Event()
+
+        async def stream_until_cancelled():
+            async for _ in llm.generate({"prompt_token_ids": PROMPTS[2]}, greedy(100), "cancelled"):
+                started.set()
+
+        long_task = asyncio.create_task(stream_until_cancelled())
+        await started.wait()
+        async for closed in llm.generate({"prompt_token_ids": PROMPTS[3]}, greedy(100), "closed"):
+            break  # leaving the loop closes the generator: its request is aborted
+        long_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long_task
+        finished = await collect(llm, PROMPTS[0], greedy(3), "other")
+        return closed, finished
+
+    closed, finished = asyncio.run(main())
+    assert not closed.finished and finished[-1].finished
+    llm.shutdown()  # waits for the loop: every command is applied
+    last = llm.logger.scheduler_stats[-1]
+    assert (last.num_running_reqs, last.num_waiting_reqs, last.kv_used_blocks) == (0, 0, 0)
+    assert max(s.num_running_reqs for s in llm.logger.scheduler_stats) >= 2
+
+
+def test_a_refused_request_fails_only_its_caller(llm):
+    async def main():
+        good = asyncio.create_task(collect(llm, PROMPTS[1], greedy(4), "good"))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(llm, [10**6], greedy(4), "bad")
+        with pytest.raises(ValueError, match="max_model_len=128"):
+            await collect(llm, [1] * 128, greedy(4), "long")
+        with pytest.raises(ValueError, match="already in use"):
+            await asyncio.gather(collect(llm, PROMPTS[1], greedy(4), "dup"), collect(llm, PROMPTS[1], greedy(4), "dup"))
+        return await good
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outputs) == 4
+    llm.check_health()
+
+
+def test_a_dead_loop_fails_every_caller_and_the_health_check(llm):
+    engine = llm.engine
+    original_step = engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom in a step")
+        return original_step()
+
+    engine.step = failing_step
+
+    async def main():
+        results = await asyncio.gather(*(collect(llm, p, greedy(50), str(i)) for i, p in enumerate(PROMPTS)),
+                                       return_exceptions=True)
+        with pytest.raises(EngineDeadError):
+            await collect(llm, PROMPTS[0], greedy(2), "later")
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) and "boom in a step" in str(r) for r in results)
+    assert llm.errored
+    with pytest.raises(EngineDeadError, match="boom"):
+        llm.check_health()

@@ -1,0 +1,47 @@
+"""The app on an engine whose loop dies while a request runs: that request gets a 500 error object,
+/health turns 503, and later requests are refused with the loop's error (in-process, through ASGI)."""
+
+import asyncio
+
+import httpx
+
+from micro_vllm.config import LLMConfig
+from micro_vllm.engine.async_llm import AsyncLLM
+from micro_vllm.entrypoints.openai.api_server import build_app
+from micro_vllm.metrics.loggers import PrometheusStatLogger
+from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
+
+
+def test_a_dead_engine_loop_fails_requests_and_health(tmp_path):
+    config = LLMConfig.from_kwargs(str(make_tiny_model("llama", tmp_path)), device="cpu", max_model_len=64)
+    logger = PrometheusStatLogger("tiny")
+    engine = AsyncLLM(config, stat_loggers=[logger])
+
+    step, calls = engine.engine.step, []
+
+    def failing_step():  # dies once the first output is out: inside the response, not before it
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom in a step")
+        return step()
+
+    engine.engine.step = failing_step
+    app = build_app(engine, ["tiny"], "tiny", logger)
+    body = {"prompt": [1, 2, 3], "max_tokens": 4}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 200
+            failed = await http.post("/v1/completions", json=body)
+            health = await http.get("/health")
+            later = await http.post("/v1/completions", json={**body, "stream": True})
+            return failed, health, later
+
+    try:
+        failed, health, later = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(calls) == 3
+    assert failed.status_code == 500 and "boom in a step" in failed.json()["error"]["message"]
+    assert health.status_code == 503
+    assert later.status_code == 500 and later.json()["error"]["code"] == 500

@@ -1,0 +1,60 @@
+"""``to_sampling_params``: OpenAI's defaults, vLLM's cap on max_tokens, and fields the engine lacks
+refused by name (no server needed)."""
+
+import pytest
+
+from micro_vllm import RequestOutputKind, SamplingParams
+from micro_vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_defaults_and_the_max_tokens_rules():
+    params = to_sampling_params(CompletionRequest(prompt="x"), room=100)
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (16, 1.0, 1.0, 0)  # OpenAI's
+    assert params.output_kind is RequestOutputKind.DELTA
+    assert to_sampling_params(CompletionRequest(prompt="x", max_tokens=500), room=100).max_tokens == 100
+    assert to_sampling_params(ChatCompletionRequest(messages=MESSAGES), room=77).max_tokens == 77  # what is left
+    chat = ChatCompletionRequest(messages=MESSAGES, max_tokens=5, max_completion_tokens=9)
+    assert to_sampling_params(chat, room=77).max_tokens == 9  # the newer name wins
+
+
+def test_fields_map_to_their_sampling_params():
+    request = CompletionRequest(prompt="x", temperature=0, top_p=0.5, top_k=3, seed=4, stop="\n", ignore_eos=True,
+                                stop_token_ids=[7], include_stop_str_in_output=True, skip_special_tokens=False)
+    params = to_sampling_params(request, room=50)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0, 0.5, 3, 4)
+    assert (params.stop, params.stop_token_ids, params.ignore_eos) == (("\n",), (7,), True)
+    assert params.include_stop_str_in_output and not params.skip_special_tokens
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
+                                          ("repetition_penalty", 1.1), ("min_p", 0.1), ("min_tokens", 2),
+                                          ("logit_bias", {"5": 1.0}), ("logprobs", 1)])
+def test_a_field_the_engine_lacks_is_refused_by_name(field, value):
+    if field in SamplingParams.__dataclass_fields__:
+        pytest.skip(f"SamplingParams has {field}")
+    with pytest.raises(ValueError, match=f"{field}=.* is not supported"):
+        to_sampling_params(CompletionRequest(prompt="x", **{field: value}), room=50)
+    neutral = {"n": 1, "repetition_penalty": 1.0, "logit_bias": {}, "logprobs": None}.get(field, 0)
+    to_sampling_params(CompletionRequest(prompt="x", **{field: neutral}), room=50)  # asking for nothing is fine
+
+
+def test_response_format():
+    assert to_sampling_params(CompletionRequest(prompt="x", response_format={"type": "text"}), room=50)
+    if "structured_outputs" in SamplingParams.__dataclass_fields__:
+        request = CompletionRequest(prompt="x", response_format={"type": "json_schema",
+                                                                 "json_schema": {"name": "a", "schema": {}}})
+        assert to_sampling_params(request, room=50).structured_outputs.json == {}
+        json_object = CompletionRequest(prompt="x", response_format={"type": "json_object"})
+        assert to_sampling_params(json_object, room=50).structured_outputs.json_object
+    else:
+        with pytest.raises(ValueError, match="response_format=.*json_object.* is not supported"):
+            to_sampling_params(CompletionRequest(prompt="x", response_format={"type": "json_object"}), room=50)
+
+
+def test_bad_values_are_refused_by_sampling_params():
+    with pytest.raises(ValueError, match="top_p=2.0 is not allowed"):
+        to_sampling_params(CompletionRequest(prompt="x", top_p=2), room=50)
+    with pytest.raises(ValueError, match="logit_bias=.*keys must be token ids"):
+        to_sampling_params(CompletionRequest(prompt="x", logit_bias={"a": 1.0}), room=50)

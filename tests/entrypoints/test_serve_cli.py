@@ -1,0 +1,23 @@
+"""``micro-vllm serve``'s flags reach the engine's config and the server (no model is loaded)."""
+
+from micro_vllm.cli import main
+from micro_vllm.entrypoints.openai import api_server
+
+
+def test_serve_flags_reach_the_config(monkeypatch):
+    calls = []
+    monkeypatch.setattr(api_server, "run_server", lambda *args, **kwargs: calls.append((args, kwargs)))
+    assert main(["serve", "some/model", "--port", "9001", "--host", "127.0.0.1", "--api-key", "k",
+                 "--served-model-name", "a", "b", "--max-model-len", "512", "--max-num-seqs", "3",
+                 "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--dtype", "float32",
+                 "--device", "cpu", "--disable-uvicorn-access-log"]) == 0
+    [((config, names, host, port, api_key), kwargs)] = calls
+    assert (names, host, port, api_key, kwargs) == (["a", "b"], "127.0.0.1", 9001, "k", {"access_log": False})
+    assert (config.model_config.model, config.model_config.device) == ("some/model", "cpu")
+    assert (config.scheduler_config.max_model_len, config.scheduler_config.max_num_seqs) == (512, 3)
+    assert config.cache_config.gpu_memory_utilization == 0.5 and not config.cache_config.enable_prefix_caching
+
+
+def test_a_bad_flag_value_is_an_error_naming_it(capsys):
+    assert main(["serve", "some/model", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs=0" in capsys.readouterr().err

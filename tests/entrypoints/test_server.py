@@ -1,0 +1,307 @@
+"""A real ``micro-vllm serve`` process on a tiny model, driven with the official ``openai`` client:
+completions and chat, streamed and not, stop strings, usage; a client that disconnects mid-stream is
+aborted and its blocks freed; a load of concurrent streaming clients with disconnects and malformed
+requests mixed in; error statuses. Fields that other parts of the engine add (``n``, logprobs,
+penalties, logit_bias) are tested here too, and skipped until SamplingParams has them (structured
+outputs: in test_server_default_model.py, which a random model could not finish)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from micro_vllm import SamplingParams
+from helpers.server import TINY_CHAT_TEMPLATE, metric, serve
+from helpers.tiny_models import BOS_TOKEN_ID, make_tiny_model
+
+API_KEY = "test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 128
+PROMPTS = ["Hello", "The sky is", "1, 2, 3,", "Once upon a time", "abc", "Paris is", "def f(x):", "Why"]
+
+
+def has_field(name: str) -> bool:
+    return name in SamplingParams.__dataclass_fields__
+
+
+def needs(name: str):
+    return pytest.mark.skipif(not has_field(name), reason=f"SamplingParams has no {name!r} yet")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("serve"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    with serve(str(path), "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--block-size", "8") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def complete(client, prompt, **kwargs):
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 6)
+    return client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+
+
+def stream_text(chunks) -> tuple[str, list]:
+    chunks = list(chunks)
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+def metrics(server) -> str:
+    return httpx.get(f"{server}/metrics").text
+
+
+def assert_idle(server, timeout: float = 10.0) -> str:
+    """Wait until no request runs or waits and no KV block is in use; return the metrics."""
+    end = time.monotonic() + timeout
+    while True:
+        text = metrics(server)
+        figures = [metric(text, f"vllm:{name}") for name in
+                   ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        if figures == [0, 0, 0]:
+            return text
+        assert time.monotonic() < end, f"still busy after {timeout} s: running, waiting, kv usage = {figures}"
+        time.sleep(0.1)
+
+
+def test_completion_streamed_equals_non_streamed(client):
+    kwargs = dict(temperature=0.9, seed=11, max_tokens=8, extra_body={"ignore_eos": True})
+    full = complete(client, "The sky is", **kwargs)
+    text, chunks = stream_text(complete(client, "The sky is", stream=True, stream_options={"include_usage": True},
+                                        **kwargs))
+    assert full.choices[0].text and text == full.choices[0].text
+    assert full.choices[0].finish_reason == "length" and chunks[-2].choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 8 and full.usage.prompt_tokens == len("The sky is")  # one token a byte
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    other_seed = complete(client, "The sky is", **{**kwargs, "seed": 12})
+    assert other_seed.choices[0].text != full.choices[0].text
+
+
+def test_chat_streamed_equals_non_streamed(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    kwargs = dict(model=MODEL, messages=messages, temperature=0.8, seed=3, max_completion_tokens=6)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant" and full.object == "chat.completion"
+    rendered = "system: Be brief.\nuser: Hi there\nassistant:"  # the template's text, one token a byte
+    assert full.usage.prompt_tokens == len(rendered.encode()) + 2  # and one token for each <s>
+    assert full.usage.completion_tokens <= 6 and full.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_string_cuts_the_text(client):
+    full = complete(client, "Once upon a time", max_tokens=12, extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(ch for ch in full[2:] if ch.isalnum())  # a character the greedy text reaches later
+    cut = complete(client, "Once upon a time", max_tokens=12, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    streamed, chunks = stream_text(complete(client, "Once upon a time", max_tokens=12, stop=stop, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert streamed == cut.text and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_disconnected_client_is_aborted_and_its_blocks_freed(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 110, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    aborted_before = _aborted(metrics(server))
+    with httpx.Client(headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        with http.stream("POST", f"{server}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            busy = metrics(server)
+            assert metric(busy, "vllm:num_requests_running") == 1 and metric(busy, "vllm:kv_cache_usage_perc") > 0
+    assert _aborted(assert_idle(server)) == aborted_before + 1
+    with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a response that is not streamed
+        httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=0.25,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert _aborted(assert_idle(server)) == aborted_before + 2
+
+
+def _aborted(text: str) -> float:
+    try:
+        return metric(text, "vllm:request_success_total", finished_reason="abort")
+    except KeyError:
+        return 0.0
+
+
+def test_load_with_disconnects_and_malformed_requests(server, client):
+    max_tokens = 5
+    alone = {p: complete(client, p, max_tokens=max_tokens, extra_body={"ignore_eos": True}).choices[0].text
+             for p in PROMPTS}
+    rng = random.Random(0)
+    aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+    async def stream_one(prompt: str, disconnect_after: int | None):
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        text, chunks = "", 0
+        async with stream:
+            async for chunk in stream:
+                if chunks == disconnect_after:
+                    return None  # leaving the block closes the connection mid-stream
+                text, chunks = text + chunk.choices[0].text, chunks + 1
+        return prompt, text
+
+    async def malformed(http: httpx.AsyncClient, i: int):
+        kind = i % 4
+        if kind == 0:
+            response = await http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                                        headers={"Content-Type": "application/json"})
+        elif kind == 1:
+            response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 7})
+        elif kind == 2:
+            response = await http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * MAX_MODEL_LEN})
+        else:
+            response = await http.post("/v1/chat/completions", json={"model": MODEL})
+        return response.status_code
+
+    async def main():
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=60) as http:
+            streams = [stream_one(PROMPTS[i % len(PROMPTS)], rng.randint(0, 3) if i % 4 == 0 else None)
+                       for i in range(64)]
+            bad = [malformed(http, i) for i in range(8)]
+            jobs = streams + bad
+            rng.shuffle(jobs)
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    statuses = [r for r in results if isinstance(r, int)]
+    completed = [r for r in results if isinstance(r, tuple)]
+    assert statuses == [400] * 8
+    assert len(completed) + results.count(None) == 64 and results.count(None) >= 8  # most disconnects came early
+    for prompt, text in completed:
+        assert text == alone[prompt], prompt
+    assert_idle(server)
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert complete(client, PROMPTS[0], max_tokens=max_tokens, extra_body={"ignore_eos": True}).choices[0].text \
+        == alone[PROMPTS[0]]
+
+
+def test_error_statuses(server, client):
+    http = httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"})
+    requests_before = metric(metrics(server), "vllm:prompt_tokens_total")
+
+    def error(response, status: int) -> dict:
+        assert response.status_code == status, response.text
+        body = response.json()["error"]
+        assert body["code"] == status and body["message"] and body["type"]
+        return body
+
+    error(http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}), 400)
+    assert error(http.post("/v1/completions", json={"model": MODEL}), 400)["param"] == "prompt"
+    assert error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"}), 400)["param"] == "max_tokens"
+    body = error(http.post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400)
+    assert body["param"] == "temperature" and "-1" in body["message"]
+    body = error(http.post("/v1/completions", json={"prompt": "x" * MAX_MODEL_LEN}), 400)
+    assert "maximum context length is 128" in body["message"]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * MAX_MODEL_LEN}])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="x")
+    wrong_key = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong_key.models.list()
+    assert metric(metrics(server), "vllm:prompt_tokens_total") == requests_before  # nothing reached the engine
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+@pytest.mark.skipif(has_field("n"), reason="SamplingParams has n: test_n runs instead")
+def test_fields_the_engine_lacks_are_refused(client):
+    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+        complete(client, "x", n=2)
+
+
+def test_models_tokenize_detokenize_and_metrics(server, client):
+    [model] = client.models.list().data
+    assert model.id == MODEL and model.max_model_len == MAX_MODEL_LEN
+    http = httpx.Client(base_url=server)
+    tokens = http.post("/tokenize", json={"prompt": "héllo"}).json()
+    assert tokens["tokens"] == list("héllo".encode()) and tokens["count"] == 6 and tokens["max_model_len"] == 128
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == [BOS_TOKEN_ID, *b"user: hi\nassistant:"]
+    assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+    text = metrics(server)
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        metric(text, name)
+    assert metric(text, "vllm:generation_tokens_total") > 0
+
+
+def test_serve_benchmark_runs_against_the_server(server, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import serve as serve_benchmark
+
+    serve_benchmark.main(["--url", server, "--api-key", API_KEY, "--num-requests", "6", "--request-rate", "inf",
+                          "50", "--concurrency", "3", "--max-prompt-len", "20", "--max-output-len", "4",
+                          "--vocab-size", "256"])
+    runs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["request_rate"], r["concurrency"], r["num_requests"]) for r in runs] == [("inf", 3, 6), (50, 3, 6)]
+    for r in runs:
+        assert r["output_tokens"] == 6 * 4 and r["output_tokens_per_s"] > 0
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
+
+
+# -- the fields other branches add to SamplingParams ------------------------------------------------
+
+
+@needs("n")
+def test_n(client):
+    response = complete(client, "Hello", n=3, temperature=1.0, seed=5, max_tokens=4, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == [0, 1, 2]
+    assert response.usage.completion_tokens == 12
+    chunks = list(complete(client, "Hello", n=3, temperature=1.0, seed=5, max_tokens=4, stream=True,
+                           extra_body={"ignore_eos": True}))
+    for choice in response.choices:
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == choice.index) \
+            == choice.text
+
+
+@needs("logprobs")
+def test_logprobs(client):
+    choice = complete(client, "Hello", logprobs=2, max_tokens=4, extra_body={"ignore_eos": True}).choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
+    for logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        # greedy: the sampled token is the best; two tokens may decode to the same text (a partial UTF-8 byte)
+        assert logprob <= 0 and 1 <= len(top) <= 2 and max(top.values()) <= logprob + 1e-5
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                          max_completion_tokens=3, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+
+
+@needs("presence_penalty")
+def test_penalties_min_p_and_min_tokens_are_accepted(client):
+    response = complete(client, "Hello", temperature=0.7, seed=1, presence_penalty=0.5, frequency_penalty=0.5,
+                        extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 3})
+    assert response.usage.completion_tokens >= 3
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        complete(client, "Hello", presence_penalty=5)
+
+
+@needs("logit_bias")
+def test_logit_bias_forces_a_token(client):
+    response = complete(client, "Hello", logit_bias={str(ord("z")): 100}, max_tokens=4, extra_body={"ignore_eos": True})
+    assert response.choices[0].text == "zzzz"

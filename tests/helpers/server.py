@@ -1,0 +1,75 @@
+"""A real ``micro-vllm serve`` process for tests: started on a free port, waited for until /health
+answers, stopped (and its log shown on failure) at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import httpx
+
+# A minimal chat template for tiny test models, whose byte-level tokenizer has none.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model: str, *args: str, startup_timeout: float = 180.0) -> Iterator[str]:
+    """Run ``micro-vllm serve MODEL ARGS`` on CPU; yield its base URL ("http://127.0.0.1:PORT")."""
+    port = free_port()
+    command = [sys.executable, "-m", "micro_vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+               "--device", "cpu", "--disable-uvicorn-access-log", *args]
+    # One torch thread: the server's steps are tiny and the test machine is small and shared.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_until_healthy(url, process, log, startup_timeout)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_until_healthy(url: str, process: subprocess.Popen, log, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read()[-5000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    log.seek(0)
+    raise RuntimeError(f"the server did not answer /health within {timeout} s:\n{log.read()[-5000:]}")
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text: the first of ``name`` that has ``labels``."""
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in wanted):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} with {labels} is not in the metrics")
