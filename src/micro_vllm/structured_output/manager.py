@@ -18,8 +18,8 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from micro_vllm.structured_output.params import StructuredOutputsParams, _xgrammar_error
-from micro_vllm.validation import check_int, reject
+from micro_vllm.structured_output.params import StructuredOutputsParams
+from micro_vllm.validation import check_int
 
 # Compiled grammars are cached by their text; a long-running engine sees unboundedly many schemas, so
 # the cache evicts past this size.
@@ -85,25 +85,19 @@ class StructuredOutputManager:
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
 
     def grammar_init(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
-        """A fresh matcher for a request (compiled once per distinct constraint, then cached).
-
-        Raises ValueError naming the field if the constraint does not compile for this vocabulary.
-        """
+        """A fresh matcher for a request (compiled once per distinct constraint, then cached). The
+        params were checked when built, so this compiles."""
         kind = params.kind
-        try:
-            if kind == "json":
-                compiled = self.compiler.compile_json_schema(params.schema_text())
-            elif kind == "json_object":
-                compiled = self.compiler.compile_json_schema('{"type": "object"}')
-            elif kind == "regex":
-                compiled = self.compiler.compile_regex(params.regex)
-            elif kind == "choice":
-                compiled = self.compiler.compile_grammar(params.choice_grammar())
-            else:
-                compiled = self.compiler.compile_grammar(params.grammar)
-        except Exception as e:  # xgrammar raises RuntimeError from C++
-            value = getattr(params, kind)
-            raise reject(f"structured_outputs.{kind}", value, f"compilable; xgrammar says: {_xgrammar_error(e)}") from e
+        if kind == "json":
+            compiled = self.compiler.compile_json_schema(params.schema_text())
+        elif kind == "json_object":
+            compiled = self.compiler.compile_json_schema('{"type": "object"}')
+        elif kind == "regex":
+            compiled = self.compiler.compile_regex(params.regex)
+        elif kind == "choice":
+            compiled = self.compiler.compile_grammar(params.choice_grammar())
+        else:
+            compiled = self.compiler.compile_grammar(params.grammar)
         return StructuredOutputGrammar(xgr.GrammarMatcher(compiled))
 
     def grammar_bitmask(self, grammars: Sequence[StructuredOutputGrammar | None]) -> torch.Tensor | None:
