@@ -229,6 +229,7 @@ def test_bitmask_rows_for_unconstrained_live_and_terminated_requests(tokenizer, 
     assert manager.grammar_bitmask([None, None]) is None
     live, done = (manager.grammar_init(StructuredOutputsParams(choice=["yes", "no"])) for _ in range(2))
     assert done.accept_tokens(tokenizer.encode("no") + [tokenizer.eos_token_id]) and done.is_terminated()
+    manager.grammar_bitmask([live] * 3)  # the reused buffer's rows now mask: a None row must be rewritten
     logits = torch.zeros(3, manager.vocab_size)
     apply_grammar_bitmask(logits, manager.grammar_bitmask([None, live, done]))
     allowed = torch.isfinite(logits)
