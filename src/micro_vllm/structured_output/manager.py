@@ -127,5 +127,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """
     expected = (logits.shape[0], (logits.shape[1] + 31) // 32)
     if tuple(bitmask.shape) != expected:
-        raise ValueError(f"bitmask has shape {tuple(bitmask.shape)}; logits of shape {tuple(logits.shape)} need {expected}")
+        raise ValueError(
+            f"bitmask has shape {tuple(bitmask.shape)}; logits of shape {tuple(logits.shape)} need {expected}"
+        )
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
