@@ -12,13 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
-from micro_vllm.structured_output import (
-    StructuredOutputGrammar,
-    StructuredOutputManager,
-    StructuredOutputsParams,
-    apply_grammar_bitmask,
-)
-from test_default_model import model_dir  # noqa: F401 (the default model's directory, or a skip)
+from micro_vllm.structured_output import StructuredOutputsParams
+from micro_vllm.structured_output.manager import StructuredOutputGrammar, StructuredOutputManager, apply_grammar_bitmask
 
 MAX_TOKENS = 64
 PADDED_IDS = 40  # the model's vocabulary padded past the tokenizer's, as many models ship it
