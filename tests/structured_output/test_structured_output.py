@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
-from micro_vllm.structured_output import StructuredOutputsParams
+from helpers.tiny_models import one_torch_thread  # noqa: F401  (an autouse fixture)
+from micro_vllm import LLM, CompletionOutput, SamplingParams, StructuredOutputsParams
 from micro_vllm.structured_output.manager import StructuredOutputGrammar, StructuredOutputManager, apply_grammar_bitmask
 
 MAX_TOKENS = 64
@@ -77,6 +78,7 @@ OTHERS = [
     ("Write a sum of two numbers.", StructuredOutputsParams(grammar=SUM_GRAMMAR)),
     ('Reply with {"ok": true} and nothing else.', StructuredOutputsParams(json_object=True)),
 ]
+REQUESTS = [(prompt, StructuredOutputsParams(json=schema)) for prompt, schema in SCHEMAS] + OTHERS
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +114,14 @@ def accept(grammars: list[StructuredOutputGrammar], tokens: torch.Tensor) -> Non
         assert grammar.accept_tokens([token]), token
 
 
+def chat_texts(tokenizer, prompts: list[str]) -> list[str]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in prompts]
+
+
 def greedy_decode(model, tokenizer, manager, prompts: list[str], grammars: list[StructuredOutputGrammar]) -> list[list]:
     """Each prompt's greedy output token ids under its grammar, up to and including its stop token."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in prompts]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    batch = tokenizer(chat_texts(tokenizer, prompts), return_tensors="pt", padding=True, padding_side="left")
     prompt_length = batch.input_ids.shape[1]
     with torch.no_grad():
         sequences = model.generate(
@@ -132,9 +137,8 @@ def greedy_decode(model, tokenizer, manager, prompts: list[str], grammars: list[
 def decoded(model_dir, tokenizer, manager) -> dict[str, str]:
     """Every prompt's constrained greedy output text, from one batched loop."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    requests = [(p, StructuredOutputsParams(json=schema)) for p, schema in SCHEMAS] + OTHERS
-    prompts = [prompt for prompt, _ in requests]
-    grammars = [manager.grammar_init(params) for _, params in requests]
+    prompts = [prompt for prompt, _ in REQUESTS]
+    grammars = [manager.grammar_init(params) for _, params in REQUESTS]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a small batch: one thread spends the least CPU time on it
     try:
@@ -153,14 +157,19 @@ def test_json_schema_output_validates(decoded, prompt, schema):
     jsonschema.validate(json.loads(decoded[prompt]), schema)
 
 
+def check_others(outputs: dict[str, str]) -> None:
+    """The outputs of OTHERS' prompts match their constraints."""
+    assert re.fullmatch(PHONE, outputs["Give a phone number."])
+    assert re.fullmatch(CITY, outputs["Name a city."])
+    assert outputs["What is the capital of France?"] in CAPITALS
+    assert outputs["I love this film! Sentiment?"] in SENTIMENTS
+    assert re.fullmatch(SUM_REGEX, outputs["Write a sum of two numbers."])
+    assert isinstance(json.loads(outputs['Reply with {"ok": true} and nothing else.']), dict)
+
+
 @pytest.mark.real_model
 def test_regex_choice_grammar_and_json_object_outputs_match(decoded):
-    assert re.fullmatch(PHONE, decoded["Give a phone number."])
-    assert re.fullmatch(CITY, decoded["Name a city."])
-    assert decoded["What is the capital of France?"] in CAPITALS
-    assert decoded["I love this film! Sentiment?"] in SENTIMENTS
-    assert re.fullmatch(SUM_REGEX, decoded["Write a sum of two numbers."])
-    assert isinstance(json.loads(decoded['Reply with {"ok": true} and nothing else.']), dict)
+    check_others(decoded)
 
 
 # field -> (value, the error type, what the message says besides the field and the value)
@@ -254,3 +263,82 @@ def test_bitmask_on_cuda_masks_as_on_cpu(manager, dtype):
     apply_grammar_bitmask(on_cuda, bitmask)
     assert torch.equal(on_cuda.cpu(), logits)
     assert torch.isinf(logits[:4]).any(dim=1).all() and not torch.isinf(logits[4]).any()
+
+
+# ------------------------------------------------------------------------------ through LLM.generate
+#
+# The engine runs REQUESTS with the bitmask in the plan, applied by the runner and advanced by the
+# scheduler: greedy, it must give the transformers loop's outputs above, token for token.
+
+UNCONSTRAINED = [("Write a haiku about the sea.", SamplingParams(max_tokens=8, temperature=0)),
+                 ("Tell me a joke.", SamplingParams(max_tokens=8, temperature=0.8, seed=3))]
+
+
+def llm_settings(model_dir, **overrides) -> dict:
+    return dict(model=str(model_dir), device="cpu", max_model_len=160, attention_backend="sdpa", **overrides)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with LLM(**llm_settings(model_dir)) as llm:
+        yield llm
+
+
+def generate(llm: LLM, requests: list[tuple[str, SamplingParams]]) -> dict[str, CompletionOutput]:
+    """Each prompt's output, the prompts given as their chat template's token ids."""
+    prompts = [{"prompt_token_ids": llm.engine.tokenizer(text).input_ids}
+               for text in chat_texts(llm.engine.tokenizer, [prompt for prompt, _ in requests])]
+    outputs = llm.generate(prompts, [params for _, params in requests], use_tqdm=False)
+    return {prompt: output.outputs[0] for (prompt, _), output in zip(requests, outputs)}
+
+
+def constrained(max_tokens: int = MAX_TOKENS, **kwargs) -> list[tuple[str, SamplingParams]]:
+    return [(prompt, SamplingParams(max_tokens=max_tokens, structured_outputs=structured, **kwargs))
+            for prompt, structured in REQUESTS]
+
+
+@pytest.mark.real_model
+def test_greedy_generate_gives_the_reference_outputs_beside_unconstrained_requests(llm, decoded):
+    """Async scheduling on: every constrained output is the reference's and ends with "stop"; the
+    unconstrained requests in the same batch (greedy and seeded) give what they give alone. A choice
+    under ``ignore_eos`` still stops where its grammar ends."""
+    ignore_eos = ("Is the sky blue? Answer yes or no.",
+                  SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
+    outputs = generate(llm, [UNCONSTRAINED[0], *constrained(temperature=0), ignore_eos, UNCONSTRAINED[1]])
+    assert {prompt: outputs[prompt].text for prompt, _ in REQUESTS} == decoded
+    assert all(outputs[prompt].finish_reason == "stop" for prompt, _ in REQUESTS)
+    answer = outputs[ignore_eos[0]]
+    assert answer.text in ("yes", "no") and answer.finish_reason == "stop"
+    assert answer.token_ids[-1] == llm.engine.tokenizer.eos_token_id
+    alone = generate(llm, UNCONSTRAINED)
+    assert all(outputs[prompt].token_ids == alone[prompt].token_ids for prompt, _ in UNCONSTRAINED)
+    assert llm.engine.scheduler.structured_output_manager is not None
+
+
+@pytest.mark.real_model
+def test_seeded_sampling_survives_preemption_without_async_scheduling(llm, model_dir):
+    """Seeded sampling on a cache too small for the batch, async scheduling off: requests are
+    preempted and recomputed, and their grammars go on where they were: the outputs are those of the
+    roomy engine with async scheduling, and each matches its constraint. A few of the requests, to
+    keep it short: every fourth schema and the others."""
+    requests = [(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=i, structured_outputs=so))
+                for i, (prompt, so) in enumerate(REQUESTS) if i % 4 == 0 or i >= len(SCHEMAS)]
+    expected = generate(llm, requests)
+    with LLM(**llm_settings(model_dir, async_scheduling=False, block_size=16, num_blocks=10)) as small:
+        preempted = []
+        schedule = small.engine.scheduler.schedule
+
+        def logged_schedule():
+            plan = schedule()
+            preempted.extend(plan.preempted_req_ids)
+            return plan
+
+        small.engine.scheduler.schedule = logged_schedule
+        outputs = generate(small, requests)
+    assert preempted, "the cache must be small enough to preempt"
+    assert {p: o.token_ids for p, o in outputs.items()} == {p: o.token_ids for p, o in expected.items()}
+    texts = {prompt: output.text for prompt, output in outputs.items()}
+    for prompt, schema in SCHEMAS[::4]:
+        jsonschema.validate(json.loads(texts[prompt]), schema)
+    check_others(texts)

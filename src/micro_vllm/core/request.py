@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from micro_vllm.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from micro_vllm.structured_output.manager import StructuredOutputGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +59,9 @@ class Request:
         self.num_preemptions = 0
         self.max_chunk_tokens = 0  # the most tokens one step may compute: set on admission (check_fits)
         self.block_hashes: list[bytes] = []  # one per full block, filled by the KV cache manager
+        # The structured-output matcher, set by the engine when it makes the request; it has accepted
+        # exactly the output tokens, so a preempted request's recomputation leaves it as it is.
+        self.grammar: StructuredOutputGrammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

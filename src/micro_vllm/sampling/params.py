@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from micro_vllm.structured_output.params import StructuredOutputsParams
 from micro_vllm.validation import (
     FLOAT32_MAX,
     INT32_MAX,
@@ -51,6 +52,9 @@ class SamplingParams:
     text; ``spaces_between_special_tokens`` is accepted for vLLM's sake and changes nothing (the
     detokenizer's docstring says why); ``detokenize=False`` gives token ids only (and no stop
     strings). ``output_kind`` says what ``Engine.step`` streams; ``LLM.generate`` uses FINAL_ONLY.
+
+    ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or a grammar; the
+    request stops once the output is complete (also under ``ignore_eos``).
     """
 
     max_tokens: int = 16
@@ -66,6 +70,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         check_field(self, "max_tokens", check_int, 1, None)
@@ -86,6 +91,9 @@ class SamplingParams:
             )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise reject("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise reject("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams",
+                         TypeError)
 
     @property
     def greedy(self) -> bool:

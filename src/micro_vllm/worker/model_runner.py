@@ -90,6 +90,7 @@ class StepInputs:
     sample_rows: np.ndarray  # positions in the step's request order of those requests
     sampling_metadata: SamplingMetadata
     cuda_graph_size: int | None  # the captured batch the step is padded to and replays; None: eager
+    grammar_bitmask: torch.Tensor | None  # one row per sampling request (structured output); None: none
 
 
 class ModelRunner:
@@ -274,6 +275,7 @@ class ModelRunner:
             sample_rows=sample_rows,
             sampling_metadata=self._sampling_metadata(rows[sample_rows]),
             cuda_graph_size=graph_size,
+            grammar_bitmask=self._grammar_bitmask(plan, req_ids, sample_rows),
         )
         if self.copies_done is not None:
             self.copies_done.record()
@@ -319,6 +321,18 @@ class ModelRunner:
         })
         return metadata
 
+    @staticmethod
+    def _grammar_bitmask(plan: SchedulerOutput, req_ids: list[str], sample_rows: np.ndarray) -> torch.Tensor | None:
+        """The plan's bitmask rows in the order of the step's logits, all ones (no constraint) for the
+        requests without a grammar; None when no request samples under one."""
+        if plan.grammar_bitmask is None:
+            return None
+        bitmask = torch.full((len(sample_rows), plan.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+        logits_row = {req_ids[step_index]: row for row, step_index in enumerate(sample_rows.tolist())}
+        for req_id, plan_row in plan.structured_output_request_ids.items():
+            bitmask[logits_row[req_id]] = plan.grammar_bitmask[plan_row]
+        return bitmask
+
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass: the hidden states of the step's tokens."""
         if inputs.cuda_graph_size is not None:
@@ -330,4 +344,9 @@ class ModelRunner:
         if len(inputs.sample_rows) < inputs.num_tokens:  # else every token samples (decodes): no gather
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states)
+        if inputs.grammar_bitmask is not None:
+            # Loaded here: only structured-output requests need xgrammar.
+            from micro_vllm.structured_output.manager import apply_grammar_bitmask
+
+            apply_grammar_bitmask(logits, inputs.grammar_bitmask)
         return self.sampler(logits, inputs.sampling_metadata)
