@@ -4,81 +4,29 @@ each step gives outputs that parse and validate: 20 JSON schemas with jsonschema
 grammar and json_object, all in one batch. The model's logits are padded past the tokenizer's
 vocabulary with the largest values of all, so any padded id the bitmask let through would be chosen."""
 
+import itertools
 import json
-import re
 
 import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
-from helpers.tiny_models import one_torch_thread  # noqa: F401  (an autouse fixture)
-from micro_vllm import LLM, CompletionOutput, SamplingParams, StructuredOutputsParams
+from helpers.structured_output import (
+    MAX_TOKENS,
+    OTHERS,
+    REQUESTS,
+    SCHEMAS,
+    array,
+    chat_texts,
+    check_others,
+    generate,
+)
+from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401  (an autouse fixture)
+from micro_vllm import LLM, SamplingParams, StructuredOutputsParams
 from micro_vllm.structured_output.manager import StructuredOutputGrammar, StructuredOutputManager, apply_grammar_bitmask
 
-MAX_TOKENS = 64
 PADDED_IDS = 40  # the model's vocabulary padded past the tokenizer's, as many models ship it
-
-
-def _object(required: bool = True, **properties: dict) -> dict:
-    schema = {"type": "object", "properties": properties}
-    return {**schema, "required": list(properties)} if required else schema
-
-
-def _string(max_length: int = 12) -> dict:
-    return {"type": "string", "maxLength": max_length}
-
-
-def _int(low: int, high: int) -> dict:
-    return {"type": "integer", "minimum": low, "maximum": high}
-
-
-def _array(items: dict, min_items: int = 0, max_items: int = 2) -> dict:
-    return {"type": "array", "items": items, "minItems": min_items, "maxItems": max_items}
-
-
-# (prompt, schema): nested objects, enums, arrays, required and optional fields, numbers, booleans.
-SCHEMAS = [
-    ("Describe a person.", _object(name=_string(), age=_int(0, 120))),
-    ("Is Paris a capital?", _object(city=_string(), is_capital={"type": "boolean"})),
-    ("Pick a color.", _object(color={"enum": ["red", "green", "blue"]})),
-    ("List a few small numbers.", _object(numbers=_array(_int(0, 9), 1, 4))),
-    ("Give today's temperature.", _object(celsius={"type": "number", "minimum": -50, "maximum": 50})),
-    ("Describe a user account.", _object(user=_object(id=_int(1, 999), active={"type": "boolean"}))),
-    ("Make a shopping list.", _object(items=_array(_object(name=_string(8), qty=_int(1, 9)), 1))),
-    ("Describe a book.", {**_object(required=False, title=_string(), pages=_int(1, 999)), "required": ["title"]}),
-    ("Name some fruits.", _array({"enum": ["apple", "pear", "plum"]}, 1, 3)),
-    ("Which API version?", _object(version={"const": 2}, name=_string(6))),
-    ("Give a value.", _object(value={"anyOf": [_int(0, 99), {"type": "boolean"}]})),
-    ("Where do you live?", _object(address=_object(city=_string(), zip={"type": "string", "pattern": "^[0-9]{5}$"}))),
-    ("Give an airport code.", _object(code={"type": "string", "pattern": "^[A-Z]{3}$"})),
-    ("Full name, please.", _object(first=_string(10), middle={"type": ["string", "null"], "maxLength": 8})),
-    ("When was the Eiffel Tower built?", _object(year=_int(1800, 2100))),
-    ("When is the meeting?", _object(date={"type": "string", "format": "date"})),
-    ("Give a point.", {
-        "$defs": {"point": _object(x=_int(-9, 9), y=_int(-9, 9))}, "type": "object",
-        "properties": {"start": {"$ref": "#/$defs/point"}}, "required": ["start"],
-    }),
-    ("Is the sky blue?", {"type": "boolean"}),
-    ("Tag this ticket.", _object(tags=_array({"enum": ["bug", "ui", "docs"]}), urgent={"type": "boolean"})),
-    ("Count and ratio.", _object(count={"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50},
-                                 ratio={"type": "number", "exclusiveMinimum": 0, "maximum": 1})),
-]
-PHONE = r"[0-9]{3}-[0-9]{4}"
-CITY = r"[A-Z][a-z]{2,8}"
-CAPITALS = ["Paris", "London", "Berlin", 'a "quoted" \\ choice']
-SENTIMENTS = ["positive", "negative", "neutral"]
-SUM_GRAMMAR = 'root ::= "(" number " + " number ")"\nnumber ::= [1-9] [0-9]?'
-SUM_REGEX = r"\([1-9][0-9]? \+ [1-9][0-9]?\)"
-OTHERS = [
-    ("Give a phone number.", StructuredOutputsParams(regex=PHONE)),
-    ("Name a city.", StructuredOutputsParams(regex=CITY)),
-    ("What is the capital of France?", StructuredOutputsParams(choice=CAPITALS)),
-    ("I love this film! Sentiment?", StructuredOutputsParams(choice=SENTIMENTS)),
-    ("Write a sum of two numbers.", StructuredOutputsParams(grammar=SUM_GRAMMAR)),
-    ('Reply with {"ok": true} and nothing else.', StructuredOutputsParams(json_object=True)),
-]
-REQUESTS = [(prompt, StructuredOutputsParams(json=schema)) for prompt, schema in SCHEMAS] + OTHERS
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +60,6 @@ class GrammarBitmask(LogitsProcessor):
 def accept(grammars: list[StructuredOutputGrammar], tokens: torch.Tensor) -> None:
     for grammar, token in zip(grammars, tokens.tolist()):
         assert grammar.accept_tokens([token]), token
-
-
-def chat_texts(tokenizer, prompts: list[str]) -> list[str]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts]
 
 
 def greedy_decode(model, tokenizer, manager, prompts: list[str], grammars: list[StructuredOutputGrammar]) -> list[list]:
@@ -157,16 +100,6 @@ def test_json_schema_output_validates(decoded, prompt, schema):
     jsonschema.validate(json.loads(decoded[prompt]), schema)
 
 
-def check_others(outputs: dict[str, str]) -> None:
-    """The outputs of OTHERS' prompts match their constraints."""
-    assert re.fullmatch(PHONE, outputs["Give a phone number."])
-    assert re.fullmatch(CITY, outputs["Name a city."])
-    assert outputs["What is the capital of France?"] in CAPITALS
-    assert outputs["I love this film! Sentiment?"] in SENTIMENTS
-    assert re.fullmatch(SUM_REGEX, outputs["Write a sum of two numbers."])
-    assert isinstance(json.loads(outputs['Reply with {"ok": true} and nothing else.']), dict)
-
-
 @pytest.mark.real_model
 def test_regex_choice_grammar_and_json_object_outputs_match(decoded):
     check_others(decoded)
@@ -180,7 +113,7 @@ BAD_PARAMS = [
     ({"json": {"type": "strin"}}, ValueError, 'Unsupported type "strin"'),
     ({"json": [1]}, TypeError, "a JSON schema"),
     ({"json": {"type": "object", "required": "a"}}, ValueError, "required must be an array"),
-    ({"json": {**_array({"type": "integer"}), "uniqueItems": True}}, ValueError, "without 'uniqueItems'"),
+    ({"json": {**array({"type": "integer"}), "uniqueItems": True}}, ValueError, "without 'uniqueItems'"),
     ({"json": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}}, ValueError, "without 'not'"),
     ({"json": {"type": "string", "format": "color"}}, ValueError, "without 'format': 'color'"),
     ({"json": {"type": "string", "pattern": "a+", "maxLength": 3}}, ValueError, "'maxLength' beside 'pattern'"),
@@ -284,14 +217,6 @@ def llm(model_dir):
         yield llm
 
 
-def generate(llm: LLM, requests: list[tuple[str, SamplingParams]]) -> dict[str, CompletionOutput]:
-    """Each prompt's output, the prompts given as their chat template's token ids."""
-    prompts = [{"prompt_token_ids": llm.engine.tokenizer(text).input_ids}
-               for text in chat_texts(llm.engine.tokenizer, [prompt for prompt, _ in requests])]
-    outputs = llm.generate(prompts, [params for _, params in requests], use_tqdm=False)
-    return {prompt: output.outputs[0] for (prompt, _), output in zip(requests, outputs)}
-
-
 def constrained(max_tokens: int = MAX_TOKENS, **kwargs) -> list[tuple[str, SamplingParams]]:
     return [(prompt, SamplingParams(max_tokens=max_tokens, structured_outputs=structured, **kwargs))
             for prompt, structured in REQUESTS]
@@ -342,3 +267,62 @@ def test_seeded_sampling_survives_preemption_without_async_scheduling(llm, model
     for prompt, schema in SCHEMAS[::4]:
         jsonschema.validate(json.loads(texts[prompt]), schema)
     check_others(texts)
+
+
+SHORT = [(prompt, SamplingParams(max_tokens=12, temperature=0, structured_outputs=so))
+         for prompt, so in OTHERS[:3]]  # a regex, another, and a choice: a few tokens each
+
+
+@pytest.mark.real_model
+def test_the_triton_sampler_route_samples_under_the_grammar(model_dir, decoded):
+    """custom_ops "+sampler" (the Triton sampler, interpreted on CPU) reads the masked logits."""
+    with LLM(**llm_settings(model_dir, custom_ops=["+sampler"])) as llm:
+        outputs = generate(llm, SHORT)
+    assert {prompt: output.text for prompt, output in outputs.items()} == {p: decoded[p] for p, _ in SHORT}
+
+
+@pytest.mark.real_model
+def test_abort_and_a_failed_step_drop_the_grammars(llm, decoded, monkeypatch):
+    """An aborted request leaves the others' grammars alone; a step that raises aborts them all, and
+    the same requests then give the same outputs again: no grammar state outlives its request."""
+    engine = llm.engine
+    aborted_prompt = SHORT[0][0]
+    for prompt, params in SHORT:
+        engine.add_request(engine.make_request(prompt, engine.tokenizer(chat_texts(engine.tokenizer, [prompt])[0])
+                                                .input_ids, params))
+    finished = {}
+    for step in itertools.count():
+        if step == 2:
+            assert engine.abort_request(aborted_prompt).outputs[0].finish_reason == "abort"
+        finished.update((output.request_id, output.outputs[0].text) for output in engine.step() if output.finished)
+        if not engine.has_unfinished_requests():
+            break
+    assert finished == {p: decoded[p] for p, _ in SHORT[1:]}
+
+    execute_model = engine.executor.execute_model
+    calls = itertools.count()
+    monkeypatch.setattr(engine.executor, "execute_model",
+                        lambda plan: execute_model(plan) if next(calls) != 3 else 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        generate(llm, SHORT)
+    assert not engine.has_unfinished_requests() and not engine.in_flight
+    monkeypatch.undo()
+    assert {p: o.text for p, o in generate(llm, SHORT).items()} == {p: decoded[p] for p, _ in SHORT}
+
+
+def test_structured_outputs_is_refused_before_any_work(tmp_path):
+    """A constraint of the wrong type, or one for a model without a tokenizer, fails before anything
+    is queued; and requests without a constraint never build the structured-output manager."""
+    with pytest.raises(TypeError, match=r"structured_outputs=\{'json': .*\} is not allowed; it must be None or a "
+                                        "StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {"type": "object"}})
+    model = make_tiny_model("llama", tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    with LLM(model=str(model), device="cpu", max_model_len=32) as llm:
+        params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+        with pytest.raises(ValueError, match=r"structured_outputs=.* is not allowed: this model has no tokenizer"):
+            llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2), params], use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert llm.engine.structured_output_manager is None
