@@ -37,6 +37,7 @@ BAD_SAMPLING_VALUES = {
     "spaces_between_special_tokens": [1, "no"],
     "detokenize": [0, None],
     "output_kind": [0, 2, "DELTA", "FINAL_ONLY", None],
+    "structured_outputs": [{"json": {"type": "object"}}, '{"type": "object"}', 5],
 }
 
 # (config class, field) -> values it must refuse; every field of every config appears.

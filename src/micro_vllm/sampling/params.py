@@ -92,8 +92,7 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise reject("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
-            raise reject("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams",
-                         TypeError)
+            raise reject("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
