@@ -39,7 +39,9 @@ from helpers.gpu_helpers import (
     load_hf,
 )
 from helpers.model_shapes import SHAPES, shape_id, shape_overrides
+from helpers.structured_output import MAX_TOKENS, REQUESTS, check_all, generate
 from micro_vllm import LLM, SamplingParams
+from micro_vllm.model_loader.default_model_download import DefaultModelUnavailable, default_model_path
 from helpers.tiny_models import make_tiny_model
 
 pytestmark = [
@@ -553,3 +555,27 @@ def test_step_inputs_survive_a_gpu_that_runs_behind(model_dirs, refs):
         agreement = check_greedy_agreement(tokens, reference.tokens, reference, what)
         assert agreement.error is None, agreement.error
     assert delayed == undisturbed
+
+
+# -- structured output ----------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_structured_output_on_cuda():
+    """The default model on CUDA with its defaults (bf16, CUDA graphs, async scheduling, the Triton
+    sampler): under their grammars, greedy and seeded outputs of every schema, regex, choice and
+    grammar match their constraints and stop where the grammar ends, unconstrained requests beside
+    them included."""
+    try:
+        model_dir = default_model_path()
+    except DefaultModelUnavailable as e:
+        pytest.skip(f"default model unavailable: {e}")
+    unconstrained = ("Write a haiku about the sea.", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    with LLM(model=str(model_dir), device=DEVICE, max_model_len=MAX_MODEL_LEN) as llm:
+        for sampling in (dict(temperature=0), dict(temperature=0.7, seed=1)):
+            requests = [(prompt, SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=so, **sampling))
+                        for prompt, so in REQUESTS]
+            outputs = generate(llm, [unconstrained, *requests])
+            check_all({prompt: outputs[prompt].text for prompt, _ in REQUESTS})
+            assert all(outputs[prompt].finish_reason == "stop" for prompt, _ in REQUESTS), sampling
+            assert len(outputs[unconstrained[0]].token_ids) == 16

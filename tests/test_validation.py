@@ -41,6 +41,7 @@ BAD_SAMPLING_VALUES = {
     "logprobs": [-2, 2**31, True, 1.0, "5"],
     "prompt_logprobs": [-2, 2**31, False, 0.0, "0"],
     "output_kind": [0, 2, "DELTA", "FINAL_ONLY", None],
+    "structured_outputs": [{"json": {"type": "object"}}, '{"type": "object"}', 5],
 }
 
 # (config class, field) -> values it must refuse; every field of every config appears.

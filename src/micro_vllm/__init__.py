@@ -19,6 +19,7 @@ _EXPORTS = {
     "CacheConfig": "micro_vllm.config",
     "SamplingParams": "micro_vllm.sampling.params",
     "RequestOutputKind": "micro_vllm.sampling.params",
+    "StructuredOutputsParams": "micro_vllm.structured_output.params",
     "RequestOutput": "micro_vllm.engine.output",
     "CompletionOutput": "micro_vllm.engine.output",
     "TraceConfig": "micro_vllm.trace",
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from micro_vllm.engine.output import CompletionOutput, RequestOutput
     from micro_vllm.llm import LLM
     from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
+    from micro_vllm.structured_output.params import StructuredOutputsParams
     from micro_vllm.trace import TraceConfig
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from micro_vllm.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from micro_vllm.structured_output.manager import StructuredOutputGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +62,9 @@ class Request:
         # Another request with the same prompt (the first sequence of a parallel-sampling request):
         # the scheduler admits this one once that one's prompt is planned, to reuse its blocks.
         self.prompt_leader: Request | None = None
+        # The structured-output matcher, set by the engine when it makes the request; it has accepted
+        # exactly the output tokens, so a preempted request's recomputation leaves it as it is.
+        self.grammar: StructuredOutputGrammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

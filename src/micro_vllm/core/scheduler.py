@@ -8,11 +8,17 @@ cannot get blocks preempts the most recently admitted one, which is recomputed l
 Scheduling a step advances ``num_computed_tokens`` at once and counts the token the step will
 sample as an output placeholder, so the next step can be planned before this one's results are
 back (async scheduling); ``update_from_output`` then only appends tokens and checks stops.
+
+A structured-output request samples under its grammar: each plan carries the bitmask rows of those
+that sample in it, and ``update_from_output`` advances each grammar with its token. The grammar must
+have accepted every earlier token when its row is filled, so the engine does not plan ahead of a
+step that samples for one.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from micro_vllm.config import SchedulerConfig
 from micro_vllm.core.kv_cache_manager import KVCacheManager
@@ -20,6 +26,11 @@ from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from micro_vllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from micro_vllm.outputs import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from micro_vllm.structured_output.manager import StructuredOutputManager
 
 
 class Scheduler:
@@ -32,6 +43,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.finished_req_ids: set[str] = set()  # since the last plan; the runner drops them
         self.stats = self.make_stats()  # made with each plan, while that step's blocks are held
+        # Set by the engine with the first structured-output request: the default path never loads it.
+        self.structured_output_manager: StructuredOutputManager | None = None
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -118,12 +131,21 @@ class Scheduler:
             total_num_scheduled_tokens=step.num_tokens,
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=frozenset(r.request_id for r in step.preempted),
+            structured_output_request_ids={r.request_id: i for i, r in enumerate(step.structured_output_requests)},
+            grammar_bitmask=self.get_grammar_bitmask(step.structured_output_requests),
         )
         self.finished_req_ids.clear()
         if plan.is_empty:
             self.kv_cache_manager.cancel_step()
         self.stats = self.make_stats(step)
         return plan
+
+    def get_grammar_bitmask(self, requests: list[Request]) -> torch.Tensor | None:
+        """The tokens each of ``requests`` may sample next, one bitmask row each; None for no request.
+        A copy: the plan owns it, and the manager's buffer is refilled by the next plan."""
+        if not requests:
+            return None
+        return self.structured_output_manager.grammar_bitmask([r.grammar for r in requests]).clone()
 
     def make_stats(self, step: _StepBuilder | None = None) -> SchedulerStats:
         """A snapshot of the queues and the KV cache as they are now, with what ``step`` planned
@@ -220,6 +242,8 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             request.append_output_token(token_ids[0])
+            if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
+                raise RuntimeError(f"request {request_id!r} sampled token {token_ids[0]}, which its grammar forbids")
             if request.num_computed_tokens == request.num_tokens:  # a later step computed it already
                 self.kv_cache_manager.cache_blocks(request, request.num_tokens)
             preempted = request.status == RequestStatus.PREEMPTED  # while its last token was in flight
@@ -266,6 +290,9 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True
+        if request.grammar is not None and request.grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
@@ -295,6 +322,7 @@ class _StepBuilder:
         self.cached_reqs: list[CachedRequestData] = []
         self.preempted: list[Request] = []
         self.decode_req_ids: list[str] = []
+        self.structured_output_requests: list[Request] = []  # those that sample under a grammar
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, of the requests admitted
 
     def add(self, request: Request, num_tokens: int) -> None:
@@ -309,3 +337,5 @@ class _StepBuilder:
             self.decode_req_ids.append(request.request_id)
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
+            if request.grammar is not None:
+                self.structured_output_requests.append(request)

@@ -6,11 +6,14 @@ join the batch (whole), the deltas of those already there, and who left.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from micro_vllm.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV cache group
 
@@ -44,9 +47,15 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: frozenset[str]  # finished or aborted since the last plan: the runner drops them
     preempted_req_ids: frozenset[str]  # preempted this step: the runner drops them too
+    # The structured-output requests that sample this step -> their row of ``grammar_bitmask`` (an
+    # int32 CPU tensor, one bit per vocabulary id: the tokens each may sample); None when there are none.
+    structured_output_request_ids: Mapping[str, int] = field(default_factory=dict)
+    grammar_bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_scheduled_tokens", MappingProxyType(dict(self.num_scheduled_tokens)))
+        object.__setattr__(self, "structured_output_request_ids",
+                           MappingProxyType(dict(self.structured_output_request_ids)))
 
     @property
     def is_empty(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from micro_vllm.tokenizer import load_tokenizer
 from micro_vllm.trace.events import RunInfo
 from micro_vllm.trace.tracer import Tracer, resolve_trace
 from micro_vllm.validation import is_int, reject, short_repr
+
+if TYPE_CHECKING:
+    from micro_vllm.structured_output.manager import StructuredOutputManager
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -70,6 +73,7 @@ class Engine:
             block_listener=self.tracer.block_listener if self.tracer is not None else None,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
+        self.structured_output_manager: StructuredOutputManager | None = None  # built for the first such request
         self.in_flight: deque[AsyncModelRunnerOutput] = deque()
         self._in_step = False  # set while a step runs; still set after a failed step's rollback failed
         self.prompts: dict[str, str | None] = {}  # made requests' prompt texts, until they are added
@@ -94,8 +98,13 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)!r} is not allowed: this model has no tokenizer to make text")
         self._check_num_logprobs(params)
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError(f"structured_outputs={params.structured_outputs!r} is not allowed: this model has no "
+                             "tokenizer to map the constraint to token ids")
         request = Request(request_id, token_ids, params, self.eos_token_ids)
         self.scheduler.check_fits(request)
+        if params.structured_outputs is not None:
+            request.grammar = self._get_structured_output_manager().grammar_init(params.structured_outputs)
         self.prompts[request_id] = text
         return request
 
@@ -111,6 +120,8 @@ class Engine:
                 raise ValueError(f"request_id={request_id!r} is already in use")
         prompt = self.prompts.pop(request.request_id, None)
         for index, child in enumerate(requests):
+            if request.grammar is not None and child is not request:  # a matcher per sequence
+                child.grammar = self.structured_output_manager.grammar_init(child.sampling_params.structured_outputs)
             self.output_processor.add_request(child, prompt, parent, index)
             self.scheduler.add_request(child)
 
@@ -194,10 +205,23 @@ class Engine:
         if self._in_step:
             self.abort_all_requests()
 
+    def _get_structured_output_manager(self) -> StructuredOutputManager:
+        """The engine's one manager, built with the first structured-output request (loading xgrammar)."""
+        if self.structured_output_manager is None:
+            from micro_vllm.structured_output.manager import StructuredOutputManager
+
+            self.structured_output_manager = StructuredOutputManager(
+                self.tokenizer, self.vocab_size, self.config.scheduler_config.max_num_seqs, self.eos_token_ids
+            )
+            self.scheduler.structured_output_manager = self.structured_output_manager
+        return self.structured_output_manager
+
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
         self.in_flight.append(self.executor.execute_model(plan))
-        # Async: the step just launched stays in flight unless it is empty or nothing is left to wait for.
-        keep = 1 if self.config.scheduler_config.async_scheduling and not plan.is_empty else 0
+        # Async: the step just launched stays in flight unless it is empty or nothing is left to wait
+        # for, or it samples under a grammar: the next plan's bitmask needs this step's tokens accepted.
+        keep = 1 if (self.config.scheduler_config.async_scheduling and not plan.is_empty
+                     and not plan.structured_output_request_ids) else 0
         outputs = []
         while self.in_flight and (len(self.in_flight) > keep or not self.scheduler.has_unfinished_requests()):
             outputs += self._apply(self.in_flight.popleft().get_output())

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from micro_vllm.structured_output.params import StructuredOutputsParams
 from micro_vllm.validation import (
     FLOAT32_MAX,
     INT32_MAX,
@@ -62,6 +63,8 @@ class SamplingParams:
     first (``RequestOutput.prompt_logprobs``); -1 means the whole vocabulary. They are the model's raw
     log-softmax, before temperature or any filter, as vLLM's default; at most
     ``ModelConfig.max_logprobs`` (the engine checks it).
+    ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or a grammar; the
+    request stops once the output is complete (also under ``ignore_eos``).
     """
 
     n: int = 1
@@ -80,6 +83,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         check_field(self, "n", check_int, 1, MAX_N)
@@ -108,6 +112,8 @@ class SamplingParams:
             )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise reject("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise reject("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -122,6 +122,7 @@ class StepInputs:
     cuda_graph_size: int | None  # the captured batch the step is padded to and replays; None: eager
     prompt_logprobs: list[PromptLogprobsSlice]  # empty unless a request of the step asks for prompt logprobs
     prompt_logprob_targets: torch.Tensor | None  # per step token, the prompt token it predicts (in the slices)
+    grammar_bitmask: torch.Tensor | None  # one row per sampling request (structured output); None: none
 
 
 class ModelRunner:
@@ -322,6 +323,7 @@ class ModelRunner:
             cuda_graph_size=graph_size,
             prompt_logprobs=prompt_logprobs,
             prompt_logprob_targets=self.prompt_logprob_targets.copy_to_device(num_tokens) if prompt_logprobs else None,
+            grammar_bitmask=self._grammar_bitmask(plan, req_ids, sample_rows),
         )
         if self.copies_done is not None:
             self.copies_done.record()
@@ -394,6 +396,18 @@ class ModelRunner:
         })
         return metadata
 
+    @staticmethod
+    def _grammar_bitmask(plan: SchedulerOutput, req_ids: list[str], sample_rows: np.ndarray) -> torch.Tensor | None:
+        """The plan's bitmask rows in the order of the step's logits, all ones (no constraint) for the
+        requests without a grammar; None when no request samples under one."""
+        if plan.grammar_bitmask is None:
+            return None
+        bitmask = torch.full((len(sample_rows), plan.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+        logits_row = {req_ids[step_index]: row for row, step_index in enumerate(sample_rows.tolist())}
+        for req_id, plan_row in plan.structured_output_request_ids.items():
+            bitmask[logits_row[req_id]] = plan.grammar_bitmask[plan_row]
+        return bitmask
+
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass: the hidden states of the step's tokens."""
         if inputs.cuda_graph_size is not None:
@@ -406,6 +420,11 @@ class ModelRunner:
         if len(inputs.sample_rows) < inputs.num_tokens:  # else every token samples (decodes): no gather
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states)
+        if inputs.grammar_bitmask is not None:
+            # Loaded here: only structured-output requests need xgrammar.
+            from micro_vllm.structured_output.manager import apply_grammar_bitmask
+
+            apply_grammar_bitmask(logits, inputs.grammar_bitmask)
         return self.sampler(logits, inputs.sampling_metadata)
 
     def compute_prompt_logprobs(self, hidden_states: torch.Tensor,
