@@ -323,3 +323,21 @@ def test_structured_outputs_is_refused_before_any_work(tmp_path):
         assert not llm.engine.has_unfinished_requests()
         llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
         assert llm.engine.structured_output_manager is None
+
+
+@pytest.mark.real_model
+def test_each_sequence_of_an_n_request_follows_its_own_grammar(llm):
+    """n > 1 under a schema: every sequence validates, and sequence i is the prompt alone with seed + i
+    (each has a matcher of its own: a shared one would see every sequence's tokens)."""
+    prompt, schema = SCHEMAS[6]  # a shopping list: long enough for the sequences to differ
+    params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    [output] = llm.generate([chat_texts(llm.engine.tokenizer, [prompt])[0]], params, use_tqdm=False)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    for completion in output.outputs:
+        jsonschema.validate(json.loads(completion.text), schema)
+        alone = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7 + completion.index,
+                               structured_outputs=StructuredOutputsParams(json=schema))
+        [single] = llm.generate([chat_texts(llm.engine.tokenizer, [prompt])[0]], alone, use_tqdm=False)
+        assert completion.token_ids == single.outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
