@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -25,3 +26,10 @@ class CpuGpuBuffer:
             index = (slice(n),) if cols is None else (slice(n), slice(cols))
             self.device[index].copy_(self.cpu[index], non_blocking=True)
         return self.device[:n]
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A one-off copy of a host array on the device, without blocking the host (through pinned
+    memory on CUDA; on CPU the tensor shares the array's memory)."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor

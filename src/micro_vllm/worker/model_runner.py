@@ -24,7 +24,7 @@ from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.model_loader.checkpoint import load_model
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
-from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, to_device
 from micro_vllm.worker.cuda_graphs import CudaGraphs, cuda_graph_sizes, pad_decode_batch
 from micro_vllm.worker.dummy_run import warm_up
 from micro_vllm.worker.input_batch import InputBatch
@@ -104,6 +104,7 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.backend = self.attn_backend
         self.sampler = Sampler("sampler" in settings.custom_ops, settings.seed, self.device, settings.max_num_seqs)
+        self.vocab_size = hf_config.vocab_size
         self.input_batch: InputBatch | None = None
         self.cuda_graphs = CudaGraphs()
         # Marks when the last step's host-to-device copies finished: the host must not refill the
@@ -141,7 +142,8 @@ class ModelRunner:
             layer.kv_cache[:, 0].zero_()
         max_blocks = -(-settings.max_model_len // settings.block_size)
         max_reqs, max_tokens = settings.max_num_seqs, max(settings.max_num_batched_tokens, settings.max_num_seqs)
-        self.input_batch = InputBatch(max_reqs, settings.max_model_len, [max_blocks] * len(groups))
+        self.input_batch = InputBatch(max_reqs, settings.max_model_len, [max_blocks] * len(groups), self.vocab_size,
+                                      self.device)
         self.buffers = InputBuffers(layers, self.attn_backend, groups, max_reqs, max_tokens, settings.max_model_len,
                                     settings.block_size, self.device)
         staged = lambda *shape, dtype=torch.int32: CpuGpuBuffer(shape, dtype, self.device)  # noqa: E731
@@ -178,6 +180,10 @@ class ModelRunner:
         hidden_states = self.run_model(inputs)
         sampled = self.sample(hidden_states, inputs)
         batch = self.input_batch
+        processors = inputs.sampling_metadata.logits_processors
+        if processors is not None and processors.penalties is not None:  # count the new tokens on the device
+            penalties = processors.penalties
+            batch.token_counts.count(penalties.batch_rows, sampled[penalties.rows])
         sample_rows = inputs.batch_rows[inputs.sample_rows]
         # The new tokens count from now on; their ids reach token_ids once the engine fetched them.
         positions = batch.num_tokens[sample_rows].astype(np.int64)
@@ -310,6 +316,13 @@ class ModelRunner:
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
         )
+        min_p = batch.min_p[rows]
+        if (min_p > 0).any():
+            metadata.min_p = to_device(min_p, self.device)
+        if batch.uses_processors[rows].any():
+            last = self.last_output
+            last_sampled = last.sampled if last is not None and last in self.unapplied else None
+            metadata.logits_processors = batch.logits_processors_metadata(rows, last_sampled)
         # A seeded row's randomness depends only on (seed, output position): it survives preemption
         # and does not depend on what else is in the batch.
         seeded = np.flatnonzero(batch.seed[rows] >= 0)
