@@ -90,11 +90,10 @@ ONE_O_AT = [116, 104, 101, 32]  # its greedy output holds "1" and "O@"
 STOP = 70
 # (prompt, params, reference): each request is run in one batch with all the others.
 CASES = {
-    "plain": (REPEATS, greedy(), lambda p, o, logits: logits),
+    # It finishes first, so that the last row (which the penalties decide) moves into its row.
+    "plain": (REPEATS, SamplingParams(max_tokens=3, temperature=0), lambda p, o, logits: logits),
     "repetition": (REPEATS, greedy(repetition_penalty=1.8), hf(RepetitionPenaltyLogitsProcessor(1.8))),
     "repetition<1": (K_PAREN_U, greedy(repetition_penalty=0.5), hf(RepetitionPenaltyLogitsProcessor(0.5))),
-    "presence+frequency": (REPEATS, greedy(presence_penalty=1.5, frequency_penalty=0.6),
-                           presence_frequency(1.5, 0.6)),
     "all penalties": (K_PAREN_U, greedy(repetition_penalty=1.3, presence_penalty=-0.5, frequency_penalty=1.0),
                       chain(hf(RepetitionPenaltyLogitsProcessor(1.3)), presence_frequency(-0.5, 1.0))),
     "logit_bias": (ONE_O_AT, greedy(logit_bias={97: 6.0, 49: -50.0}), bias({97: 6.0, 49: -50.0})),
@@ -117,6 +116,8 @@ CASES = {
                              torch.tensor([p + o]), logits),
                          bias({EOS_TOKEN_ID: 4.0}), hf(RepetitionPenaltyLogitsProcessor(1.2)),
                          presence_frequency(0.0, 0.3))),
+    "presence+frequency": (REPEATS, greedy(presence_penalty=1.5, frequency_penalty=0.6),
+                           presence_frequency(1.5, 0.6)),
 }
 
 
@@ -142,6 +143,7 @@ def test_each_case_changes_the_output(hf_model, references):
     for name, (prompt, params, _) in CASES.items():
         if name != "plain":
             assert references[name] != reference_greedy(hf_model, prompt, greedy(), CASES["plain"][2]), name
+    assert len(references["plain"]) == 3
     assert references["min_tokens"][5:] == [STOP]
 
 
