@@ -33,11 +33,9 @@ def make_llm(path, **overrides) -> LLM:
     return LLM(model=str(path), device="cpu", dtype="float32", attention_backend="sdpa", **{**SETTINGS, **overrides})
 
 
-@pytest.fixture(scope="module")
-def expected(model_dir):
-    """A fresh engine's tokens for PROMPTS; the run must preempt for the tests to mean anything."""
-    llm = make_llm(model_dir)
-    preempted = []
+def record_preemptions(llm: LLM) -> list[str]:
+    """The ids of the requests the engine's scheduler preempts from now on, as they happen."""
+    preempted: list[str] = []
     schedule = llm.engine.scheduler.schedule
 
     def logged_schedule():
@@ -46,6 +44,14 @@ def expected(model_dir):
         return plan
 
     llm.engine.scheduler.schedule = logged_schedule
+    return preempted
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """A fresh engine's tokens for PROMPTS; the run must preempt for the tests to mean anything."""
+    llm = make_llm(model_dir)
+    preempted = record_preemptions(llm)
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert preempted, "the cache must be small enough to preempt"
     return token_ids(outputs)

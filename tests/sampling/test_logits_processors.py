@@ -16,7 +16,8 @@ from transformers import (
 from helpers import fault_workload
 from helpers.fault_workload import model_dir  # noqa: F401
 from helpers.core_helpers import token_ids
-from helpers.tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, load_hf_reference, make_tiny_model, one_torch_thread  # noqa: F401
+from helpers.tiny_models import one_torch_thread  # noqa: F401
+from helpers.tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, load_hf_reference, make_tiny_model
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, TokenBiases, apply_min_p
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
@@ -160,14 +161,14 @@ def test_greedy_tokens_match_the_reference_processors(llama, references, async_s
 
 PREEMPT_PARAMS = [
     greedy(repetition_penalty=1.5, frequency_penalty=0.5, ignore_eos=True),
-    greedy(presence_penalty=1.0, bad_words=["\x07"], ignore_eos=True),
+    greedy(bad_words=["\x11\r"], ignore_eos=True),  # its plain output starts 247, 17, 13
     greedy(ignore_eos=True),
     greedy(repetition_penalty=0.8, presence_penalty=-0.4, ignore_eos=True),
     greedy(frequency_penalty=2.0, ignore_eos=True),
 ]
 PREEMPT_REFERENCES = [
     chain(hf(RepetitionPenaltyLogitsProcessor(1.5)), presence_frequency(0, 0.5)),
-    chain(hf(NoBadWordsLogitsProcessor([[7]]), with_prompt=False), presence_frequency(1.0, 0)),
+    hf(NoBadWordsLogitsProcessor([[17, 13]]), with_prompt=False),
     lambda p, o, logits: logits,
     chain(hf(RepetitionPenaltyLogitsProcessor(0.8)), presence_frequency(-0.4, 0)),
     presence_frequency(0, 2.0),
@@ -178,22 +179,15 @@ PREEMPT_REFERENCES = [
 def test_penalties_survive_preemption(async_scheduling, model_dir):
     """The fault workload's cache is small enough that requests preempt each other; a preempted
     request's token counts are rebuilt when it comes back, and rows that move keep theirs."""
-    llm = fault_workload.make_llm(model_dir, async_scheduling=async_scheduling)
-    preempted = []
-    schedule = llm.engine.scheduler.schedule
-
-    def logged_schedule():
-        plan = schedule()
-        preempted.extend(plan.preempted_req_ids)
-        return plan
-
-    llm.engine.scheduler.schedule = logged_schedule
-    outputs = llm.generate(fault_workload.PROMPTS, PREEMPT_PARAMS, use_tqdm=False)
+    with fault_workload.make_llm(model_dir, async_scheduling=async_scheduling) as llm:
+        preempted = fault_workload.record_preemptions(llm)
+        outputs = llm.generate(fault_workload.PROMPTS, PREEMPT_PARAMS, use_tqdm=False)
     assert preempted
     model = load_hf_reference(model_dir)
     expected = [reference_greedy(model, list(prompt), params, process)
                 for prompt, params, process in zip(fault_workload.PROMPTS, PREEMPT_PARAMS, PREEMPT_REFERENCES)]
     assert token_ids(outputs) == expected
+    assert expected[1][:2] == [247, 17] and expected[1][2] != 13  # the bad word was hit
 
 
 # -- seeded sampling -------------------------------------------------------------------------------
@@ -205,18 +199,29 @@ OTHERS = [greedy(presence_penalty=1.0, ignore_eos=True),
           SamplingParams(max_tokens=8, temperature=1.2, frequency_penalty=-1.0, min_tokens=8)]
 
 
-def test_seeded_sampling_with_processors_does_not_depend_on_the_batch(llama):
+@pytest.fixture(scope="module")
+def llm(llama):
     with LLM(model=str(llama), device="cpu", dtype="float32", max_model_len=64, block_size=8,
              max_num_batched_tokens=32) as llm:
-        alone = token_ids(llm.generate([K_PAREN_U], SEEDED, use_tqdm=False))[0]
-        first = token_ids(llm.generate([REPEATS, K_PAREN_U, ONE_O_AT], [OTHERS[0], SEEDED, OTHERS[1]], use_tqdm=False))
-        last = token_ids(llm.generate([ONE_O_AT, REPEATS, K_PAREN_U], [OTHERS[2], OTHERS[0], SEEDED], use_tqdm=False))
-        biased_only = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7, logit_bias={85: 6.0},
-                                     ignore_eos=True)
-        without_penalties = token_ids(llm.generate([K_PAREN_U], biased_only, use_tqdm=False))[0]
+        yield llm
+
+
+def test_seeded_sampling_with_processors_does_not_depend_on_the_batch(llm):
+    alone = token_ids(llm.generate([K_PAREN_U], SEEDED, use_tqdm=False))[0]
+    first = token_ids(llm.generate([REPEATS, K_PAREN_U, ONE_O_AT], [OTHERS[0], SEEDED, OTHERS[1]], use_tqdm=False))
+    last = token_ids(llm.generate([ONE_O_AT, REPEATS, K_PAREN_U], [OTHERS[2], OTHERS[0], SEEDED], use_tqdm=False))
     assert first[1] == last[2] == alone
     # The bias alone repeats its token; the penalties make it rarer, so they count the outputs.
+    biased_only = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7, logit_bias={85: 6.0}, ignore_eos=True)
+    without_penalties = token_ids(llm.generate([K_PAREN_U], biased_only, use_tqdm=False))[0]
     assert 1 < alone.count(85) < without_penalties.count(85)
+
+
+def test_min_p_of_one_samples_the_greedy_tokens(llm):
+    """At temperature 1 only the most likely token has at least its own probability."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, min_p=1.0, seed=seed) for seed in (1, 2)]
+    outputs = token_ids(llm.generate([K_PAREN_U, REPEATS], params, use_tqdm=False))
+    assert outputs == token_ids(llm.generate([K_PAREN_U, REPEATS], greedy(), use_tqdm=False))
 
 
 # -- min-p and the two sampler routes --------------------------------------------------------------
@@ -239,17 +244,17 @@ def test_min_p_keeps_what_transformers_keeps():
 @pytest.mark.parametrize("with_min_p", [False, True], ids=["unfiltered", "min_p"])
 def test_both_sampler_routes_draw_from_the_processed_logits(use_triton, with_min_p):
     """Greedy rows take the argmax of the processed logits; random rows draw only tokens that the
-    processors and min-p leave (rows 8-15 restricted to a few tokens, every row's favourite banned)."""
+    processors and min-p leave (rows 4-7 restricted to a few tokens, every row's favourite banned)."""
     torch.manual_seed(2)
-    num_rows, vocab = 24, 300
+    num_rows, vocab = 12, 300
     logits = torch.randn(num_rows, vocab) * 2
-    temperature = torch.tensor([0.0] * 4 + [1.0] * 20)
-    min_p = torch.tensor([0.0] * 16 + [0.3 if with_min_p else 0.0] * 8)
-    allowed_rows = torch.arange(8, 16)
+    temperature = torch.tensor([0.0] * 2 + [1.0] * 10)
+    min_p = torch.tensor([0.0] * 8 + [0.3 if with_min_p else 0.0] * 4)
+    allowed_rows = torch.arange(4, 8)
     allowed_ids = torch.tensor([3, 50, 51, 299])
     processors = LogitsProcessorsMetadata(
         allowed_rows=allowed_rows,
-        allowed_token_ids=(allowed_rows.repeat_interleave(4), allowed_ids.repeat(8)),
+        allowed_token_ids=(allowed_rows.repeat_interleave(4), allowed_ids.repeat(4)),
         token_biases=TokenBiases(torch.arange(num_rows), logits.argmax(dim=-1), torch.full((num_rows,), -float("inf"))),
     )
     sampler = Sampler(use_triton, seed=0, max_num_reqs=num_rows)
@@ -259,20 +264,19 @@ def test_both_sampler_routes_draw_from_the_processed_logits(use_triton, with_min
     tokens = sampler(logits, metadata)
 
     processed = logits.clone()
-    processed[8:16] = float("-inf")
-    processed[8:16, allowed_ids] = logits[8:16, allowed_ids]
+    processed[4:8] = float("-inf")
+    processed[4:8, allowed_ids] = logits[4:8, allowed_ids]
     processed[torch.arange(num_rows), logits.argmax(dim=-1)] = float("-inf")
     kept = apply_min_p(processed, min_p).isfinite()
-    assert tokens[:4].tolist() == processed[:4].argmax(dim=-1).tolist()
+    assert tokens[:2].tolist() == processed[:2].argmax(dim=-1).tolist()
     assert kept[torch.arange(num_rows), tokens].all()
-    assert set(tokens[8:16].tolist()) <= set(allowed_ids.tolist())
+    assert set(tokens[4:8].tolist()) <= set(allowed_ids.tolist())
 
 
-def test_min_tokens_hold_back_stop_strings_in_the_engine(llama, hf_model):
+def test_min_tokens_hold_back_stop_strings_in_the_engine(llm, hf_model):
     """K_PAREN_U's greedy output has "U" as its 5th and 6th tokens: the stop string ends the request
     at the 5th, or with min_tokens=5 at the 6th."""
     plain = reference_greedy(hf_model, K_PAREN_U, greedy(), CASES["plain"][2])
     assert plain[4:6] == [85, 85] and 85 not in plain[:4]
-    with LLM(model=str(llama), device="cpu", dtype="float32", max_model_len=64, block_size=8) as llm:
-        outputs = llm.generate([K_PAREN_U] * 2, [greedy(stop="U"), greedy(stop="U", min_tokens=5)], use_tqdm=False)
+    outputs = llm.generate([K_PAREN_U] * 2, [greedy(stop="U"), greedy(stop="U", min_tokens=5)], use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in outputs] == [(plain[:5], "U"), (plain[:6], "U")]

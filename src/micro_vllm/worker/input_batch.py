@@ -34,10 +34,12 @@ class RequestProcessors:
     def of(cls, new: NewRequestData, vocab_size: int) -> RequestProcessors | None:
         """The request's settings, or None when it uses no processor."""
         params = new.sampling_params
-        stop_ids = tuple(sorted(t for t in new.eos_token_ids | set(params.stop_token_ids) if t < vocab_size))
-        processors = cls(params, new.bad_words_token_ids, stop_ids if params.min_tokens else ())
-        used = (processors.uses_penalties or params.logit_bias or params.allowed_token_ids
-                or processors.bad_words_token_ids or processors.min_tokens_stop_ids)
+        stop_ids = ()
+        if params.min_tokens:  # ids past the vocabulary can never be sampled anyway
+            stop_ids = tuple(sorted(t for t in new.eos_token_ids | set(params.stop_token_ids) if t < vocab_size))
+        processors = cls(params, new.bad_words_token_ids, stop_ids)
+        used = (processors.uses_penalties or params.logit_bias or params.allowed_token_ids is not None
+                or new.bad_words_token_ids or stop_ids)
         return processors if used else None
 
     @property
@@ -182,17 +184,13 @@ class InputBatch:
                 _extend(biases, i, stop_ids, [-np.inf] * len(stop_ids))
             if params.logit_bias:
                 _extend(biases, i, params.logit_bias.keys(), params.logit_bias.values())
-            newest_index = int(self.last_sample_index[row]) if last_sampled is not None else -1
-            output = self.token_ids[row, num_prompt_tokens:num_tokens - (newest_index >= 0)].tolist()
-            for word in processors.bad_words_token_ids:
-                prefix = word[:-1]
-                if len(prefix) > num_tokens - num_prompt_tokens:
-                    continue
-                if newest_index >= 0 and prefix:
-                    if _ends_with(output, prefix[:-1]):
-                        _extend(pending, i, [word[-1]], [newest_index], [prefix[-1]])
-                elif _ends_with(output, prefix):
-                    _extend(biases, i, [word[-1]], [-np.inf])
+            if processors.bad_words_token_ids:
+                newest = int(self.last_sample_index[row]) if last_sampled is not None else -1
+                output = self.token_ids[row, num_prompt_tokens:num_tokens - (newest >= 0)].tolist()
+                banned, pending_bans = _bad_word_bans(processors.bad_words_token_ids, output, newest >= 0)
+                _extend(biases, i, banned, [-np.inf] * len(banned))
+                for token_id, newest_token_id in pending_bans:
+                    _extend(pending, i, [token_id], [newest], [newest_token_id])
             if processors.uses_penalties:
                 _extend(penalty_rows, i, [row])
 
@@ -232,6 +230,22 @@ def _extend(entries: tuple[list, ...], rows: int | list[int], *columns) -> None:
     entries[0].extend(rows if isinstance(rows, list) else [rows] * len(columns[0]))
     for entry, column in zip(entries[1:], columns):
         entry.extend(column)
+
+
+def _bad_word_bans(words: tuple[tuple[int, ...], ...], output: list[int], newest_on_device: bool
+                   ) -> tuple[list[int], list[tuple[int, int]]]:
+    """The last tokens of the bad words whose other tokens end the output (vLLM's rule): those banned
+    now, and (token id, the newest output token it takes) for those the device must decide.
+    ``output`` holds the output tokens the host has; with ``newest_on_device`` one more is coming."""
+    banned, pending = [], []
+    for word in words:
+        prefix = word[:-1]
+        if newest_on_device and prefix:
+            if _ends_with(output, prefix[:-1]):
+                pending.append((word[-1], prefix[-1]))
+        elif _ends_with(output, prefix):
+            banned.append(word[-1])
+    return banned, pending
 
 
 def _ends_with(tokens: list[int], suffix: tuple[int, ...]) -> bool:

@@ -24,7 +24,7 @@ from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.model_loader.checkpoint import load_model
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
-from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, to_device
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 from micro_vllm.worker.cuda_graphs import CudaGraphs, cuda_graph_sizes, pad_decode_batch
 from micro_vllm.worker.dummy_run import warm_up
 from micro_vllm.worker.input_batch import InputBatch
@@ -151,6 +151,7 @@ class ModelRunner:
         self.temperature = staged(max_reqs, dtype=torch.float32)
         self.top_k = staged(max_reqs)
         self.top_p = staged(max_reqs, dtype=torch.float32)
+        self.min_p = staged(max_reqs, dtype=torch.float32)
         self.prev_token_dst = staged(max_reqs, dtype=torch.int64)  # step tokens that take ...
         self.prev_token_src = staged(max_reqs, dtype=torch.int64)  # ... the last step's sampled tokens
         if self.device.type == "cuda":
@@ -316,9 +317,8 @@ class ModelRunner:
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
         )
-        min_p = batch.min_p[rows]
-        if (min_p > 0).any():
-            metadata.min_p = to_device(min_p, self.device)
+        if (np.take(batch.min_p, rows, out=self.min_p.np[:n]) > 0).any():
+            metadata.min_p = self.min_p.copy_to_device(n)
         if batch.uses_processors[rows].any():
             last = self.last_output
             last_sampled = last.sampled if last is not None and last in self.unapplied else None
