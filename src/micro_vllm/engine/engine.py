@@ -99,13 +99,6 @@ class Engine:
         self.prompts[request_id] = text
         return request
 
-    def _check_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"{name} contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
-            )
-
     def add_request(self, request: Request) -> None:
         self._finish_rollback()
         if request.request_id in self.scheduler.requests:
@@ -184,6 +177,13 @@ class Engine:
                 self.tracer = None
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _check_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name} contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
+            )
 
     def _finish_rollback(self) -> None:
         """Roll back a step whose rollback was itself interrupted (a second Ctrl-C, say)."""
