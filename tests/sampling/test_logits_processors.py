@@ -20,6 +20,7 @@ from helpers.tiny_models import one_torch_thread  # noqa: F401
 from helpers.tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, load_hf_reference, make_tiny_model
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, TokenBiases, apply_min_p
+from micro_vllm.sampling.params import bad_words_token_ids
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
 
 MAX_TOKENS = 10
@@ -120,6 +121,19 @@ CASES = {
     "presence+frequency": (REPEATS, greedy(presence_penalty=1.5, frequency_penalty=0.6),
                            presence_frequency(1.5, 0.6)),
 }
+
+
+def test_bad_words_are_split_alone_and_after_a_space():
+    """vLLM's rule: the spaced form counts when its first token differs and its length does not."""
+    class Tokenizer:
+        encode = staticmethod(lambda text, add_special_tokens: {
+            "hello": [5, 6], " hello": [7, 6], "a b": [1, 2, 3], " a b": [9, 2, 3, 4], "x": [8], " x": [8],
+            "": [],
+        }[text])
+
+    assert bad_words_token_ids(["hello", "  a b", "x"], Tokenizer()) == ((5, 6), (7, 6), (1, 2, 3), (8,))
+    with pytest.raises(ValueError, match=r"bad_words contain '' \(after its leading spaces\)"):
+        bad_words_token_ids([""], Tokenizer())
 
 
 @pytest.fixture(scope="module")

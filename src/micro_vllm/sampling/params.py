@@ -127,10 +127,12 @@ def bad_words_token_ids(bad_words: Iterable[str], tokenizer) -> tuple[tuple[int,
     start of the text and one inside it may tokenize differently)."""
     sequences: list[tuple[int, ...]] = []
     for word in bad_words:
-        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        word = word.lstrip()
+        alone = tuple(tokenizer.encode(word, add_special_tokens=False))
         if not alone:
-            raise ValueError(f"bad_words contain {word!r}, which the tokenizer turns into no token")
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            raise ValueError(f"bad_words contain {word!r} (after its leading spaces), which the tokenizer turns "
+                             "into no token; each must give at least one")
+        spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
         sequences.append(alone)
         if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
             sequences.append(spaced)
