@@ -42,6 +42,15 @@ BAD_SAMPLING_VALUES = {
     "prompt_logprobs": [-2, 2**31, False, 0.0, "0"],
     "output_kind": [0, 2, "DELTA", "FINAL_ONLY", None],
     "structured_outputs": [{"json": {"type": "object"}}, '{"type": "object"}', 5],
+    "presence_penalty": [-2.1, 2.5, NAN, INF, True, "0.1", None],
+    "frequency_penalty": [-3, 2.01, NAN, -INF, False, None],
+    "repetition_penalty": [0, 0.0, -1.0, NAN, INF, True, "1.1", None],
+    "min_p": [-0.1, 1.1, NAN, True, "0.1", None],
+    "min_tokens": [-1, 17, True, 1.0, "2", None],  # 17: more than the default max_tokens (16)
+    "logit_bias": [{-1: 1.0}, {1: NAN}, {1: 100.5}, {1: -INF}, {True: 1.0}, {"1": 1.0}, {1.0: 1.0}, {1: "x"},
+                   {1: True}, [1, 2], 5, "x"],
+    "allowed_token_ids": [[], [-1], [1.5], [True], "abc", 5, {1: 2}],
+    "bad_words": ["word", [""], ["ok", " \n"], [5], 5, b"x", [None]],
 }
 
 # (config class, field) -> values it must refuse; every field of every config appears.
@@ -138,6 +147,20 @@ def test_stop_strings_are_kept_as_a_tuple():
     assert SamplingParams(stop="\n").stop == ("\n",)
     assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
     assert SamplingParams(stop=None).stop == ()
+
+
+def test_min_tokens_at_most_max_tokens():
+    assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
+    allowed = re.escape("an integer in [0, 3] (at most max_tokens=3)")
+    with pytest.raises(ValueError, match=named("min_tokens", 4) + allowed):
+        SamplingParams(max_tokens=3, min_tokens=4)
+
+
+def test_logits_processor_fields_are_normalized():
+    params = SamplingParams(logit_bias={np.int64(5): np.float32(-1.5)}, allowed_token_ids=np.array([3, 4]),
+                            bad_words=["a", "b", "a"])
+    assert params.logit_bias == {5: -1.5} and type(next(iter(params.logit_bias))) is int
+    assert params.allowed_token_ids == (3, 4) and params.bad_words == ("a", "b")
 
 
 def test_stop_strings_need_detokenize():
@@ -313,6 +336,17 @@ def test_max_logprobs_minus_one_allows_the_whole_vocabulary_and_no_more(model_di
                            use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0]) == VOCAB_SIZE
     assert all(len(position) == VOCAB_SIZE for position in out.prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize(
+    "field, ids",
+    [("logit_bias", {5: 1.0, VOCAB_SIZE: 2.0}), ("allowed_token_ids", [3, 2**40, VOCAB_SIZE + 1])],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(untouched, field, ids):
+    bad = [t for t in ids if t >= VOCAB_SIZE]
+    with pytest.raises(ValueError, match=rf"{field} contain {re.escape(str(bad))} outside the vocabulary; "
+                                         rf"allowed ids are 0..{VOCAB_SIZE - 1}"):
+        untouched.generate([GOOD, GOOD], [GREEDY, SamplingParams(**{field: ids})], use_tqdm=False)
 
 
 CONVERSATION = [{"role": "user", "content": "hi"}]

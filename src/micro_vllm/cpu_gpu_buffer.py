@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -35,3 +36,10 @@ def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return host
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A one-off copy of a host array on the device, without blocking the host (through pinned
+    memory on CUDA; on CPU the tensor shares the array's memory)."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor

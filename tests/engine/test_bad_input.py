@@ -160,13 +160,15 @@ def test_request_that_can_never_fit_in_the_cache(tmp_path):
     assert len(ok.outputs[0].token_ids) == 10
 
 
-def test_stop_strings_need_a_tokenizer(tmp_path):
+def test_stop_strings_and_bad_words_need_a_tokenizer(tmp_path):
     path = make_tiny_model("llama", tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"):
         (path / name).unlink(missing_ok=True)
     with LLM(model=str(path), device="cpu", max_model_len=64, block_size=8) as llm:
-        with pytest.raises(ValueError, match=r"stop=\['x'\] is not allowed: this model has no tokenizer"):
-            llm.generate([[5, 6, 7], [5, 6]], [GOOD, SamplingParams(max_tokens=4, stop="x")], use_tqdm=False)
-        assert not llm.engine.has_unfinished_requests()
+        for name in ("stop", "bad_words"):
+            params = SamplingParams(max_tokens=4, **{name: ["x"]})
+            with pytest.raises(ValueError, match=rf"{name}=\['x'\] is not allowed: this model has no tokenizer"):
+                llm.generate([[5, 6, 7], [5, 6]], [GOOD, params], use_tqdm=False)
+            assert not llm.engine.has_unfinished_requests()
         [output] = llm.generate([[5, 6, 7]], GOOD, use_tqdm=False)  # token ids only, as before
         assert output.outputs[0].text == "" and len(output.outputs[0].token_ids) == 4

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from helpers.tiny_models import make_tiny_tokenizer
 from micro_vllm.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode_output
 from micro_vllm.model_loader.default_model_download import DefaultModelUnavailable, default_model_path
 
@@ -301,3 +302,19 @@ def test_skipped_special_tokens_never_reach_the_decode_stream(tokenizer):
             detokenizer.update([token_id])
         assert detokenizer.output_text == reference_text(tokenizer, prompt, output, skip_special_tokens)
         assert spy.steps == (2 * len(text) if skip_special_tokens else len(output))
+
+
+def test_min_tokens_hold_back_stop_strings():
+    """Only text after the first min_tokens tokens can end a stop string (vLLM's rule); fed a token
+    at a time or all at once."""
+    tokenizer = make_tiny_tokenizer()
+    output = list(b"ab ab ab")  # token id = byte
+    for min_tokens, end in ((0, 2), (1, 2), (2, 5), (4, 5), (5, 8), (8, None)):
+        detokenizer = IncrementalDetokenizer(tokenizer, [], stop=["ab"], include_stop_str_in_output=True,
+                                             min_tokens=min_tokens)
+        stops = [detokenizer.update([token_id]) for token_id in output]
+        assert (stops.index("ab") + 1 if "ab" in stops else None) == end
+        at_once = IncrementalDetokenizer(tokenizer, [], stop=["ab"], include_stop_str_in_output=True,
+                                         min_tokens=min_tokens)
+        assert at_once.update(output) == ("ab" if end else None)
+        assert at_once.output_text == bytes(output[:end]).decode()

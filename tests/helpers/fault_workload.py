@@ -36,10 +36,9 @@ def make_llm(path, **overrides) -> LLM:
     return LLM(model=str(path), device="cpu", dtype="float32", attention_backend="sdpa", **{**SETTINGS, **overrides})
 
 
-def fresh_outputs(path, prompts, params) -> list:
-    """A fresh engine's outputs; the run must preempt for the tests to mean anything."""
-    llm = make_llm(path)
-    preempted = []
+def record_preemptions(llm: LLM) -> list[str]:
+    """The ids of the requests the engine's scheduler preempts from now on, as they happen."""
+    preempted: list[str] = []
     schedule = llm.engine.scheduler.schedule
 
     def logged_schedule():
@@ -48,6 +47,13 @@ def fresh_outputs(path, prompts, params) -> list:
         return plan
 
     llm.engine.scheduler.schedule = logged_schedule
+    return preempted
+
+
+def fresh_outputs(path, prompts, params) -> list:
+    """A fresh engine's outputs; the run must preempt for the tests to mean anything."""
+    llm = make_llm(path)
+    preempted = record_preemptions(llm)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert preempted, "the cache must be small enough to preempt"
     return outputs

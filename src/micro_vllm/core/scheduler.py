@@ -224,6 +224,8 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_computed,
+                    eos_token_ids=request.eos_token_ids,
+                    bad_words_token_ids=request.bad_words_token_ids,
                 )
             )
             step.add(request, num_new)

@@ -28,6 +28,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: BlockIds
     num_computed_tokens: int  # tokens served by the prefix cache
+    # What the logits processors need beside the params: min_tokens holds back EOS too.
+    eos_token_ids: frozenset[int] = frozenset()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

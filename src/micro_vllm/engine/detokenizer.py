@@ -51,7 +51,8 @@ _MAX_PROMPT_CONTEXT_TOKENS = 24
 class IncrementalDetokenizer:
     """The text of one sequence, extended token by token, cut at its first stop string.
 
-    ``tokenizer=None`` or ``detokenize=False`` keeps token ids only: the text stays empty and stop
+    ``min_tokens`` (SamplingParams') holds stop strings back: only text after that many tokens can
+    end one. ``tokenizer=None`` or ``detokenize=False`` keeps token ids only: the text stays empty and stop
     strings are refused (they need text). ``update(..., stop_terminated=True)`` says the last new
     token is an EOS or stop token: its text is left out unless ``include_stop_str_in_output``, and no
     stop string is checked (the sequence ended on the token), as vLLM does.
@@ -66,6 +67,7 @@ class IncrementalDetokenizer:
         stop: str | Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         detokenize: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         stop = [stop] if isinstance(stop, str) else list(stop)
         if not all(isinstance(s, str) and s for s in stop):
@@ -79,6 +81,7 @@ class IncrementalDetokenizer:
             )
         self.stop = stop
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
         # Characters that could still turn out to start an excluded stop string: not streamed yet.
         self.stop_buffer_length = max(map(len, stop)) - 1 if stop and not include_stop_str_in_output else 0
 
@@ -112,8 +115,11 @@ class IncrementalDetokenizer:
         text_token_ids = new_token_ids
         if stop_terminated and not self.include_stop_str_in_output:
             text_token_ids = new_token_ids[:-1]
+        # The text of the first min_tokens tokens cannot end a stop string (vLLM's rule).
+        num_held = min(max(self.min_tokens - (len(self.token_ids) - len(new_token_ids)), 0), len(text_token_ids))
+        self.output_text += "".join(self._decode_next(token_id) for token_id in text_token_ids[:num_held])
         length_before = len(self.output_text)
-        self.output_text += "".join(self._decode_next(token_id) for token_id in text_token_ids)
+        self.output_text += "".join(self._decode_next(token_id) for token_id in text_token_ids[num_held:])
         if stop_terminated or not self.stop:
             return None
         return self._check_stop_strings(len(self.output_text) - length_before)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -35,7 +36,7 @@ from micro_vllm.metrics.stats import SchedulerStats
 from micro_vllm.model_loader.checkpoint import load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from micro_vllm.sampling.params import SamplingParams
+from micro_vllm.sampling.params import SamplingParams, bad_words_token_ids
 from micro_vllm.tokenizer import load_tokenizer
 from micro_vllm.trace.events import RunInfo
 from micro_vllm.trace.tracer import Tracer, resolve_trace
@@ -90,18 +91,19 @@ class Engine:
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError(f"prompt {short_repr(prompt)} is empty; give at least one token")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={list(params.stop)!r} is not allowed: this model has no tokenizer to make text")
+        self._check_vocabulary("prompt_token_ids", token_ids)
+        self._check_vocabulary("logit_bias", params.logit_bias or ())
+        self._check_vocabulary("allowed_token_ids", params.allowed_token_ids or ())
+        for name in ("stop", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name}={list(getattr(params, name))!r} is not allowed: this model has no tokenizer")
         self._check_num_logprobs(params)
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError(f"structured_outputs={params.structured_outputs!r} is not allowed: this model has no "
                              "tokenizer to map the constraint to token ids")
-        request = Request(request_id, token_ids, params, self.eos_token_ids)
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else ()
+        self._check_vocabulary("bad_words", [t for word in bad_words for t in word])
+        request = Request(request_id, token_ids, params, self.eos_token_ids, bad_words_token_ids=bad_words)
         self.scheduler.check_fits(request)
         if params.structured_outputs is not None:
             request.grammar = self._get_structured_output_manager().grammar_init(params.structured_outputs)
@@ -199,6 +201,13 @@ class Engine:
                 self.tracer = None
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _check_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name} contain {bad[:5]} outside the vocabulary; allowed ids are 0..{self.vocab_size - 1}"
+            )
 
     def _finish_rollback(self) -> None:
         """Roll back a step whose rollback was itself interrupted (a second Ctrl-C, say)."""

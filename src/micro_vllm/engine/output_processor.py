@@ -42,7 +42,7 @@ class RequestState:
             self.detokenizer = IncrementalDetokenizer(
                 tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                detokenize=params.detokenize,
+                detokenize=params.detokenize, min_tokens=params.min_tokens,
             )
         self.num_sent_tokens = 0  # output tokens the DELTA outputs have given out
         self.logprobs_processor: LogprobsProcessor | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from micro_vllm.structured_output.params import StructuredOutputsParams
@@ -58,6 +58,16 @@ class SamplingParams:
     detokenizer's docstring says why); ``detokenize=False`` gives token ids only (and no stop
     strings). ``output_kind`` says what ``Engine.step`` streams; ``LLM.generate`` uses FINAL_ONLY.
 
+    The logits processors (vLLM's names, meanings and ranges; ``logits_processors.py`` applies them):
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) lower the logits of tokens the output
+    already holds, once or per occurrence; ``repetition_penalty`` (> 0) divides the positive logits
+    and multiplies the negative ones of tokens in the prompt or the output. ``min_p`` (in [0, 1])
+    drops tokens less likely than ``min_p`` times the most likely one (after temperature).
+    ``min_tokens`` holds back EOS, ``stop_token_ids`` and stop strings until that many tokens are
+    out. ``logit_bias`` ({token id: bias in [-100, 100]}) adds to logits, ``allowed_token_ids`` bans
+    every other token, and ``bad_words`` bans the last token of each word whenever the output ends
+    with the rest of it (the word as the tokenizer splits it, alone and after a space). Token ids are
+    checked against the model's vocabulary when the request is made.
     ``logprobs=k`` returns, for each output token, its log probability and those of the top k tokens
     (``CompletionOutput.logprobs``); ``prompt_logprobs=k`` the same for each prompt token after the
     first (``RequestOutput.prompt_logprobs``); -1 means the whole vocabulary. They are the model's raw
@@ -83,6 +93,14 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -114,10 +132,38 @@ class SamplingParams:
             raise reject("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             raise reject("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_field(self, name, check_float, -2, 2)
+        check_field(self, "repetition_penalty", check_float, 0, low_open=True)
+        check_field(self, "min_p", check_float, 0, 1)
+        max_min_tokens = min(self.max_tokens, INT32_MAX)
+        check_field(self, "min_tokens", check_int, 0, max_min_tokens,
+                    allowed=f"an integer in [0, {max_min_tokens}] (at most max_tokens={self.max_tokens})")
+        check_field(self, "logit_bias", _logit_bias)
+        check_field(self, "allowed_token_ids", _allowed_token_ids)
+        check_field(self, "bad_words", _bad_words)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def bad_words_token_ids(bad_words: Iterable[str], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """The token ids of each bad word, as vLLM splits them: the word without its leading whitespace,
+    and also after a space when that gives another first token in as many tokens (a word at the
+    start of the text and one inside it may tokenize differently)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in bad_words:
+        word = word.lstrip()
+        alone = tuple(tokenizer.encode(word, add_special_tokens=False))
+        if not alone:
+            raise ValueError(f"bad_words contain {word!r} (after its leading spaces), which the tokenizer turns "
+                             "into no token; each must give at least one")
+        spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
+        sequences.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 def _temperature(name: str, value: object) -> float:
@@ -134,14 +180,53 @@ def _num_logprobs(name: str, value: object) -> int | None:
     return check_int(name, value, -1, allowed=f"None, -1 (the whole vocabulary) or an integer in [0, {INT32_MAX}]")
 
 
+def _token_ids(value: object) -> tuple[int, ...] | None:
+    """A list of token ids (integers >= 0) as a tuple, or None if it is not one."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        return None
+    ids = tuple(value)
+    return tuple(int(t) for t in ids) if all(is_int(t) and t >= 0 for t in ids) else None
+
+
 def _stop_token_ids(name: str, value: object) -> tuple[int, ...]:
-    allowed = "a list of token ids (integers >= 0)"
+    ids = _token_ids(value)
+    if ids is None:
+        raise reject(name, value, "a list of token ids (integers >= 0)")
+    return ids
+
+
+def _allowed_token_ids(name: str, value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = _token_ids(value)
+    if not ids:
+        raise reject(name, value, "None or a non-empty list of token ids (integers >= 0)")
+    return ids
+
+
+def _logit_bias(name: str, value: object) -> dict[int, float] | None:
+    if value is None:
+        return None
+    allowed = "None or a dict {token id (integer >= 0): bias (a finite number in [-100, 100])}"
+    if not isinstance(value, Mapping):
+        raise reject(name, value, allowed)
+    try:
+        return {check_int(name, token_id, 0, None): check_float(name, bias, -100, 100)
+                for token_id, bias in value.items()}
+    except ValueError:
+        raise reject(name, value, allowed) from None
+
+
+def _bad_words(name: str, value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    allowed = "None or a list of strings, each with a character other than whitespace"
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise reject(name, value, allowed)
-    ids = tuple(value)
-    if not all(is_int(t) and t >= 0 for t in ids):
+    words = tuple(value)
+    if not all(isinstance(w, str) and w.strip() for w in words):
         raise reject(name, value, allowed)
-    return tuple(int(t) for t in ids)
+    return tuple(dict.fromkeys(words))  # each word once, as vLLM keeps them
 
 
 def _stop_strings(name: str, value: object) -> tuple[str, ...]:

@@ -1,12 +1,14 @@
 """Turns the logits of a step into one token per request, on the device, in one batch.
 
-Greedy rows take the argmax. Random rows are scaled by temperature, filtered by top-k / top-p, and
-drawn with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no cumulative sums and
-lets each seeded row draw its noise from its own generator, so its tokens do not depend on the batch.
-A Sampler built with ``use_triton`` draws every batch that samples with the Triton sampler instead
-(``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it, with
-a Philox seed per row, so the same independence holds); a batch with top-k / top-p rows filters the
-scaled logits here first.
+A batch whose requests use vLLM's logits processors (penalties, bad words, ...) has them applied
+first (``logits_processors.py``), so the greedy argmax and both routes see the processed logits.
+Greedy rows take the argmax. Random rows are scaled by temperature, filtered by min-p and top-k /
+top-p, and drawn with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no
+cumulative sums and lets each seeded row draw its noise from its own generator, so its tokens do not
+depend on the batch. A Sampler built with ``use_triton`` draws every batch that samples with the
+Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then
+Gumbel-max inside it, with a Philox seed per row, so the same independence holds); a batch with
+min-p, top-k or top-p rows filters the scaled logits here first.
 
 When a row of the batch asks for logprobs, the sampler also returns for every row the raw logprobs
 (``logprobs.py``) of its sampled token and of as many top tokens as the row that asks for most:
@@ -22,6 +24,7 @@ import torch
 
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, apply_logits_processors, apply_min_p
 
 
 @dataclass
@@ -37,6 +40,8 @@ class SamplingMetadata:
     seeds: torch.Tensor | None = None
     # The most logprobs a row asks for (-1 resolved to the vocabulary); None: no row asks.
     max_num_logprobs: int | None = None
+    logits_processors: LogitsProcessorsMetadata | None = None  # None when no row uses one
+    min_p: torch.Tensor | None = None  # float32 [n], 0 = off; None when no row uses it
 
 
 @dataclass
@@ -100,16 +105,20 @@ class Sampler:
         return SamplerOutput(sampled, gather_logprobs(raw_logprobs, num_logprobs, sampled))
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.logits_processors is not None:
+            logits = apply_logits_processors(logits, metadata.logits_processors)
         if metadata.all_greedy:
             return logits.argmax(dim=-1)
-        filtered = metadata.top_k is not None or metadata.top_p is not None
+        filtered = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
         if metadata.seeds is not None and not filtered:
             return self.triton_sample(logits, metadata.temperature, metadata.seeds)
         logits = logits.float()  # the model's dtype; softmax and the noise want fp32
         temperature = metadata.temperature
         # Times the reciprocal, as the Triton sampler scales a row: both routes give it the same scores.
         scaled = logits * torch.where(temperature > 0, 1 / temperature, 1.0).unsqueeze(-1)
-        if filtered:
+        if metadata.min_p is not None:
+            scaled = apply_min_p(scaled, metadata.min_p)
+        if metadata.top_k is not None or metadata.top_p is not None:
             scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
         if metadata.seeds is not None:
             # Already scaled: temperature 1 keeps a row's scores, and so its draw, those of the

@@ -177,7 +177,8 @@ class ModelRunner:
             layer.kv_cache[:, 0].zero_()
         max_blocks = -(-settings.max_model_len // settings.block_size)
         max_reqs, max_tokens = settings.max_num_seqs, max(settings.max_num_batched_tokens, settings.max_num_seqs)
-        self.input_batch = InputBatch(max_reqs, settings.max_model_len, [max_blocks] * len(groups), self.vocab_size)
+        self.input_batch = InputBatch(max_reqs, settings.max_model_len, [max_blocks] * len(groups), self.vocab_size,
+                                      self.device)
         self.buffers = InputBuffers(layers, self.attn_backend, groups, max_reqs, max_tokens, settings.max_model_len,
                                     settings.block_size, self.device)
         staged = lambda *shape, dtype=torch.int32: CpuGpuBuffer(shape, dtype, self.device)  # noqa: E731
@@ -185,6 +186,7 @@ class ModelRunner:
         self.temperature = staged(max_reqs, dtype=torch.float32)
         self.top_k = staged(max_reqs)
         self.top_p = staged(max_reqs, dtype=torch.float32)
+        self.min_p = staged(max_reqs, dtype=torch.float32)
         self.prev_token_dst = staged(max_reqs, dtype=torch.int64)  # step tokens that take ...
         self.prev_token_src = staged(max_reqs, dtype=torch.int64)  # ... the last step's sampled tokens
         self.prompt_logprob_targets = staged(max_tokens, dtype=torch.int64)
@@ -217,6 +219,10 @@ class ModelRunner:
         sampled = self.sample(hidden_states, inputs)
         prompt_logprobs = self.compute_prompt_logprobs(hidden_states, inputs) if inputs.prompt_logprobs else None
         batch = self.input_batch
+        processors = inputs.sampling_metadata.logits_processors
+        if processors is not None and processors.penalties is not None:  # count the new tokens on the device
+            penalties = processors.penalties
+            batch.token_counts.count(penalties.batch_rows, sampled.sampled_token_ids[penalties.rows])
         sample_rows = inputs.batch_rows[inputs.sample_rows]
         logprobs_rows = None
         if sampled.logprobs_tensors is not None:
@@ -387,6 +393,12 @@ class ModelRunner:
             all_random=bool((temperature > 0).all()),
             max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
         )
+        if (np.take(batch.min_p, rows, out=self.min_p.np[:n]) > 0).any():
+            metadata.min_p = self.min_p.copy_to_device(n)
+        if batch.uses_processors[rows].any():
+            last = self.last_output
+            last_sampled = last.sampled if last is not None and last in self.unapplied else None
+            metadata.logits_processors = batch.logits_processors_metadata(rows, last_sampled)
         # A seeded row's randomness depends only on (seed, output position): it survives preemption
         # and does not depend on what else is in the batch.
         seeded = np.flatnonzero(batch.seed[rows] >= 0)
