@@ -3,6 +3,8 @@ against transformers' processors and plain PyTorch references, token by token th
 (greedy, so every processed logit row must pick the reference's token), under async and synchronous
 scheduling, across preemption; and min-p on both sampler routes."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import (
@@ -294,3 +296,13 @@ def test_min_tokens_hold_back_stop_strings_in_the_engine(llm, hf_model):
     assert plain[4:6] == [85, 85] and 85 not in plain[:4]
     outputs = llm.generate([K_PAREN_U] * 2, [greedy(stop="U"), greedy(stop="U", min_tokens=5)], use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in outputs] == [(plain[:5], "U"), (plain[:6], "U")]
+
+
+def test_each_sequence_of_an_n_request_applies_the_processors(llm):
+    """Sequence i of a seeded n-request is its prompt alone with seed + i, bad words included (each
+    child request carries the parent's tokenized bad words)."""
+    params = dataclasses.replace(SEEDED, n=3, bad_words=["U"])
+    [output] = llm.generate([K_PAREN_U], params, use_tqdm=False)
+    for completion in output.outputs:
+        alone = dataclasses.replace(params, n=1, seed=params.seed + completion.index)
+        assert completion.token_ids == token_ids(llm.generate([K_PAREN_U], alone, use_tqdm=False))[0]

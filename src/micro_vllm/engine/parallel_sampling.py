@@ -28,7 +28,7 @@ class ParentRequest:
         self.output_kind = params.output_kind
         self.children = [
             Request(f"{index}_{request.request_id}", request.prompt_token_ids, child_params,
-                    request.eos_token_ids, request.arrival_time)
+                    request.eos_token_ids, request.arrival_time, request.bad_words_token_ids)
             for index, child_params in enumerate(_child_params(params))
         ]
         for child in self.children[1:]:
