@@ -1,9 +1,9 @@
-"""``to_sampling_params``: OpenAI's defaults, vLLM's cap on max_tokens, and fields the engine lacks
-refused by name (no server needed)."""
+"""``to_sampling_params``: OpenAI's defaults, vLLM's cap on max_tokens, and every field mapped to
+its SamplingParams field (no server needed)."""
 
 import pytest
 
-from micro_vllm import RequestOutputKind, SamplingParams
+from micro_vllm import RequestOutputKind
 from micro_vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -28,29 +28,33 @@ def test_fields_map_to_their_sampling_params():
     assert params.include_stop_str_in_output and not params.skip_special_tokens
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
-                                          ("repetition_penalty", 1.1), ("min_p", 0.1), ("min_tokens", 2),
-                                          ("logit_bias", {"5": 1.0}), ("logprobs", 1)])
-def test_a_field_the_engine_lacks_is_refused_by_name(field, value):
-    if field in SamplingParams.__dataclass_fields__:
-        pytest.skip(f"SamplingParams has {field}")
-    with pytest.raises(ValueError, match=f"{field}=.* is not supported"):
-        to_sampling_params(CompletionRequest(prompt="x", **{field: value}), room=50)
-    neutral = {"n": 1, "repetition_penalty": 1.0, "logit_bias": {}, "logprobs": None}.get(field, 0)
-    to_sampling_params(CompletionRequest(prompt="x", **{field: neutral}), room=50)  # asking for nothing is fine
+def test_vllm_sampling_fields_map_to_their_sampling_params():
+    request = CompletionRequest(prompt="x", n=3, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+                                min_p=0.1, min_tokens=2, logit_bias={"5": 1.0}, logprobs=2, allowed_token_ids=[5, 6],
+                                bad_words=["no"])
+    params = to_sampling_params(request, room=50)
+    assert (params.n, params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (3, 0.5, -0.5, 1.1)
+    assert (params.min_p, params.min_tokens, params.logit_bias, params.logprobs) == (0.1, 2, {5: 1.0}, 2)
+    assert (params.allowed_token_ids, params.bad_words) == ((5, 6), ("no",))
+    chat = ChatCompletionRequest(messages=MESSAGES, logprobs=True, top_logprobs=3)
+    assert to_sampling_params(chat, room=50).logprobs == 3
+    assert to_sampling_params(ChatCompletionRequest(messages=MESSAGES, top_logprobs=3), room=50).logprobs is None
 
 
-def test_response_format():
+def test_response_format_and_structured_outputs():
     assert to_sampling_params(CompletionRequest(prompt="x", response_format={"type": "text"}), room=50)
-    if "structured_outputs" in SamplingParams.__dataclass_fields__:
-        request = CompletionRequest(prompt="x", response_format={"type": "json_schema",
-                                                                 "json_schema": {"name": "a", "schema": {}}})
-        assert to_sampling_params(request, room=50).structured_outputs.json == {}
-        json_object = CompletionRequest(prompt="x", response_format={"type": "json_object"})
-        assert to_sampling_params(json_object, room=50).structured_outputs.json_object
-    else:
-        with pytest.raises(ValueError, match="response_format=.*json_object.* is not supported"):
-            to_sampling_params(CompletionRequest(prompt="x", response_format={"type": "json_object"}), room=50)
+    request = CompletionRequest(prompt="x", response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "a", "schema": {}}})
+    assert to_sampling_params(request, room=50).structured_outputs.json == {}
+    json_object = CompletionRequest(prompt="x", response_format={"type": "json_object"})
+    assert to_sampling_params(json_object, room=50).structured_outputs.json_object
+    regex = CompletionRequest(prompt="x", structured_outputs={"regex": "[0-9]+"})
+    assert to_sampling_params(regex, room=50).structured_outputs.regex == "[0-9]+"
+    with pytest.raises(ValueError, match="structured_outputs=.* is not allowed; give one of json"):
+        to_sampling_params(CompletionRequest(prompt="x", structured_outputs={"jsn": {}}), room=50)
+    with pytest.raises(ValueError, match="not allowed together"):
+        to_sampling_params(CompletionRequest(prompt="x", structured_outputs={"regex": "a"},
+                                             response_format={"type": "json_object"}), room=50)
 
 
 def test_bad_values_are_refused_by_sampling_params():

@@ -13,6 +13,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
+from micro_vllm.structured_output import StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -70,6 +71,9 @@ class _SamplingRequest(OpenAIBaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar or json_object
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -109,49 +113,39 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, room: int) -> SamplingParams:
     """The request's SamplingParams, streaming DELTA outputs. ``room`` is what ``max_model_len``
-    leaves after the prompt: the default ``max_tokens`` of chat, and a cap on any asked for (vLLM's rule).
-
-    Fields the engine does not have are refused when the request asks for anything but their
-    neutral value; the rest are checked by SamplingParams."""
+    leaves after the prompt: the default ``max_tokens`` of chat, and a cap on any asked for (vLLM's
+    rule). OpenAI's ``null`` means the engine's default; SamplingParams checks every value."""
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens or request.max_tokens or room
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         max_tokens = 16 if request.max_tokens is None else request.max_tokens  # OpenAI's default
         logprobs = request.logprobs
-    kwargs: dict[str, Any] = dict(
+    return SamplingParams(
+        n=request.n,
         max_tokens=min(max_tokens, room),
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=request.top_k or 0,
+        min_p=request.min_p or 0.0,
         seed=request.seed,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=_logit_bias(request.logit_bias),
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words,
+        min_tokens=request.min_tokens or 0,
+        logprobs=logprobs,
         stop=request.stop,
         stop_token_ids=request.stop_token_ids or (),
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
+        structured_outputs=_structured_outputs(request),
         output_kind=RequestOutputKind.DELTA,
     )
-    # name: (value, the value that asks for nothing)
-    optional = {
-        "n": (request.n, 1),
-        "presence_penalty": (request.presence_penalty or 0.0, 0.0),
-        "frequency_penalty": (request.frequency_penalty or 0.0, 0.0),
-        "repetition_penalty": (1.0 if request.repetition_penalty is None else request.repetition_penalty, 1.0),
-        "min_p": (request.min_p or 0.0, 0.0),
-        "min_tokens": (request.min_tokens or 0, 0),
-        "logit_bias": (_logit_bias(request.logit_bias), None),
-        "logprobs": (logprobs, None),
-        "structured_outputs": (_structured_outputs(request.response_format), None),
-    }
-    fields = SamplingParams.__dataclass_fields__
-    for name, (value, neutral) in optional.items():
-        if name in fields:
-            kwargs[name] = value
-        elif value != neutral:
-            raise ValueError(f"{name}={value!r} is not supported by this engine; leave it out")
-    return SamplingParams(**kwargs)
 
 
 def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -164,13 +158,19 @@ def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
         raise ValueError(f"logit_bias={logit_bias!r} is not allowed; its keys must be token ids") from None
 
 
-def _structured_outputs(response_format: ResponseFormat | None):
+def _structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format``, or vLLM's ``structured_outputs`` field (json, regex, choice, grammar)."""
+    if request.structured_outputs is not None:
+        if request.response_format is not None and request.response_format.type != "text":
+            raise ValueError("structured_outputs and response_format are not allowed together; give one")
+        try:
+            return StructuredOutputsParams(**request.structured_outputs)
+        except TypeError:
+            raise ValueError(f"structured_outputs={request.structured_outputs!r} is not allowed; give one of json, "
+                             "regex, choice, grammar or json_object") from None
+    response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return None
-    if "structured_outputs" not in SamplingParams.__dataclass_fields__:
-        raise ValueError(f"response_format={{'type': {response_format.type!r}}} is not supported by this engine")
-    from micro_vllm.structured_output.params import StructuredOutputsParams
-
     if response_format.type == "json_object":
         return StructuredOutputsParams(json_object=True)
     if response_format.json_schema is None or response_format.json_schema.json_schema is None:
