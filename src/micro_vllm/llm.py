@@ -55,6 +55,10 @@ class LLM:
     def tokenizer(self):
         return self._engine().tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's name for ``tokenizer``."""
+        return self.tokenizer
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
