@@ -579,3 +579,65 @@ def test_structured_output_on_cuda():
             check_all({prompt: outputs[prompt].text for prompt, _ in REQUESTS})
             assert all(outputs[prompt].finish_reason == "stop" for prompt, _ in REQUESTS), sampling
             assert len(outputs[unconstrained[0]].token_ids) == 16
+
+
+# -- vLLM's sampling API on the device -------------------------------------------------------------
+
+
+def _sampling_api_requests() -> list[tuple[list[int], SamplingParams]]:
+    """Every new parameter, some alone and some together, greedy and seeded, in one batch."""
+    from micro_vllm import StructuredOutputsParams
+
+    every = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3, logit_bias={7: 2.0},
+                 bad_words=["ab"], min_tokens=6, logprobs=5, prompt_logprobs=3)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, **every),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=3, top_k=40, top_p=0.9, min_p=0.05, **every),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, allowed_token_ids=list(range(32, 127))),
+        SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=11, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=32, temperature=0.8, seed=5, structured_outputs=StructuredOutputsParams(
+            json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})),
+        SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}")),
+        greedy(24),
+    ]
+    return [(prompt, p) for prompt, p in zip(GRAPH_PROMPTS, params)]
+
+
+def test_sampling_api_matches_the_synchronous_loop_and_the_cpu(model_dirs):
+    """fp32, triton, CUDA graphs, the Triton sampler: penalties (device token counts), bad words (the
+    newest token compared on the device), min_tokens, logit_bias, allowed ids, min-p, logprobs and
+    prompt logprobs, n > 1 and structured output give with async scheduling exactly the tokens and
+    logprobs of the synchronous loop, and the CPU engine's tokens and logprobs (fp32, so equal up to
+    rounding)."""
+    import json
+    import re
+
+    requests = _sampling_api_requests()
+    prompts, params = [p for p, _ in requests], [s for _, s in requests]
+
+    def run(**overrides):
+        with engine(model_dirs["llama"], dtype="float32", **overrides) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            check_all_free(llm.engine.scheduler)
+            return outputs
+
+    def tokens(outputs):
+        return [[c.token_ids for c in o.outputs] for o in outputs]
+
+    planned_ahead, sync = run(), run(async_scheduling=False)
+    cpu = run(device="cpu", attention_backend="sdpa", custom_ops=["none"], enforce_eager=True)
+    assert tokens(planned_ahead) == tokens(sync) == tokens(cpu)
+    for gpu_output, cpu_output in zip(planned_ahead, cpu):
+        for gpu_completion, cpu_completion in zip(gpu_output.outputs, cpu_output.outputs):
+            for gpu_top, cpu_top in zip(gpu_completion.logprobs or [], cpu_completion.logprobs or []):
+                assert gpu_top.keys() == cpu_top.keys()
+                for token_id, entry in gpu_top.items():
+                    assert entry.logprob == pytest.approx(cpu_top[token_id].logprob, abs=1e-3)
+    first = planned_ahead[0].outputs[0]
+    assert len(first.token_ids) >= 6 and all(len(top) in (5, 6) for top in first.logprobs)
+    assert len(planned_ahead[0].prompt_logprobs) == len(prompts[0])
+    assert all(32 <= t < 127 for t in planned_ahead[2].outputs[0].token_ids)
+    assert [c.index for c in planned_ahead[3].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in planned_ahead[3].outputs}) > 1
+    assert isinstance(json.loads(planned_ahead[4].outputs[0].text)["n"], int)
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", planned_ahead[5].outputs[0].text)
