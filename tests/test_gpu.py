@@ -626,9 +626,13 @@ def test_sampling_api_matches_the_synchronous_loop_and_the_cpu(model_dirs):
 
     planned_ahead, sync = run(), run(async_scheduling=False)
     cpu = run(device="cpu", attention_backend="sdpa", custom_ops=["none"], enforce_eager=True)
-    assert tokens(planned_ahead) == tokens(sync) == tokens(cpu)
-    for gpu_output, cpu_output in zip(planned_ahead, cpu):
-        for gpu_completion, cpu_completion in zip(gpu_output.outputs, cpu_output.outputs):
+    assert tokens(planned_ahead) == tokens(sync)
+    # Seeded rows draw from Philox on the GPU and from torch generators on the CPU: only the greedy
+    # rows are the CPU's.
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
+    assert [tokens(planned_ahead)[i] for i in greedy_rows] == [tokens(cpu)[i] for i in greedy_rows]
+    for i in greedy_rows:
+        for gpu_completion, cpu_completion in zip(planned_ahead[i].outputs, cpu[i].outputs):
             for gpu_top, cpu_top in zip(gpu_completion.logprobs or [], cpu_completion.logprobs or []):
                 assert gpu_top.keys() == cpu_top.keys()
                 for token_id, entry in gpu_top.items():
