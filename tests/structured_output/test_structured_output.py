@@ -28,6 +28,7 @@ from helpers.structured_output import (
     check_others,
     generate,
 )
+from helpers.fault_workload import record_preemptions
 from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401  (an autouse fixture)
 from micro_vllm import LLM, SamplingParams, StructuredOutputsParams
 from micro_vllm.structured_output.manager import StructuredOutputGrammar, StructuredOutputManager, apply_grammar_bitmask
@@ -254,15 +255,7 @@ def test_seeded_sampling_survives_preemption_without_async_scheduling(llm, model
                 for i, (prompt, so) in enumerate(REQUESTS) if i % 4 == 0 or i >= len(SCHEMAS)]
     expected = generate(llm, requests)
     with LLM(**llm_settings(model_dir, async_scheduling=False, block_size=16, num_blocks=10)) as small:
-        preempted = []
-        schedule = small.engine.scheduler.schedule
-
-        def logged_schedule():
-            plan = schedule()
-            preempted.extend(plan.preempted_req_ids)
-            return plan
-
-        small.engine.scheduler.schedule = logged_schedule
+        preempted = record_preemptions(small)
         outputs = generate(small, requests)
     assert preempted, "the cache must be small enough to preempt"
     assert {p: o.token_ids for p, o in outputs.items()} == {p: o.token_ids for p, o in expected.items()}
