@@ -182,3 +182,19 @@ def test_a_fault_leaves_nothing_behind(model_dir, n_expected, async_scheduling):
                 llm.generate(PROMPTS, N_PARAMS, use_tqdm=False)
         check_nothing_left(llm)
         assert sequences(llm.generate(PROMPTS, N_PARAMS, use_tqdm=False)) == n_expected
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE], ids=lambda kind: kind.name)
+def test_prompt_logprobs_come_once_per_request(model_dir, kind):
+    """The sequences share one prompt: DELTA outputs give its logprobs once (whichever sequence
+    samples first), CUMULATIVE ones every time, always the whole prompt's."""
+    engine = make_llm(model_dir, **ROOMY).engine
+    params = replace(SEEDED, output_kind=kind, prompt_logprobs=2, logprobs=1)
+    engine.add_request(engine.make_request("p", PROMPT, params))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    given = [o.prompt_logprobs for o in outputs if o.prompt_logprobs]
+    assert len(given) == (1 if kind is RequestOutputKind.DELTA else len(outputs))
+    assert all(len(p) == len(PROMPT) and p[0] is None for p in given)
+    assert all(token in top for p in given for token, top in zip(PROMPT[1:], p[1:]))
