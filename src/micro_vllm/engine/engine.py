@@ -122,7 +122,7 @@ class Engine:
                 raise ValueError(f"request_id={request_id!r} is already in use")
         prompt = self.prompts.pop(request.request_id, None)
         for index, child in enumerate(requests):
-            if request.grammar is not None and child is not request:  # a matcher per sequence
+            if child.grammar is None and child.sampling_params.structured_outputs is not None:
                 child.grammar = self.structured_output_manager.grammar_init(child.sampling_params.structured_outputs)
             self.output_processor.add_request(child, prompt, parent, index)
             self.scheduler.add_request(child)

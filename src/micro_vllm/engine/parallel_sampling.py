@@ -33,6 +33,9 @@ class ParentRequest:
         ]
         for child in self.children[1:]:
             child.prompt_leader = self.children[0]
+        # The first sequence takes the matcher made with the request; each other one needs its own
+        # (a matcher follows one sequence's tokens), which the engine makes.
+        self.children[0].grammar = request.grammar
         # Each child's latest completion, for the FINAL_ONLY and CUMULATIVE outputs.
         self.completions: list[CompletionOutput | None] = [None] * params.n
         self.num_unfinished = params.n
