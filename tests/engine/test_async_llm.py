@@ -85,6 +85,25 @@ def test_a_cancelled_caller_aborts_its_request_and_frees_its_blocks(llm):
     assert max(s.num_running_reqs for s in llm.logger.scheduler_stats) >= 2
 
 
+def test_abort_ends_the_callers_stream_and_frees_its_blocks(llm):
+    """``await llm.abort(id)`` from elsewhere: the request's caller gets a last output, finished with
+    finish_reason "abort", instead of waiting forever."""
+    async def main():
+        outputs = []
+        async for output in llm.generate({"prompt_token_ids": PROMPTS[1]}, greedy(100), "aborted"):
+            outputs.append(output)
+            if len(outputs) == 1:
+                await llm.abort("aborted")
+        return outputs
+
+    outputs = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert all(not o.finished for o in outputs[:-1])
+    llm.shutdown()
+    last = llm.logger.scheduler_stats[-1]
+    assert (last.num_running_reqs, last.num_waiting_reqs, last.kv_used_blocks) == (0, 0, 0)
+
+
 def test_a_refused_request_fails_only_its_caller(llm):
     async def main():
         good = asyncio.create_task(collect(llm, PROMPTS[1], greedy(4), "good"))

@@ -108,8 +108,9 @@ class AsyncLLM:
             if not finished:
                 self._send(_Abort(request_id), raise_if_dead=False)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request before the next step (nothing happens if it already finished)."""
+    async def abort(self, request_id: str) -> None:
+        """Abort a request before the next step: its caller's stream ends with an output whose
+        finish_reason is "abort" (nothing happens if it already finished)."""
         self._send(_Abort(request_id), raise_if_dead=False)
 
     @property
@@ -194,6 +195,7 @@ class AsyncLLM:
             iteration = IterationStats()
             iteration.update_from_output(stream.stats, len(output.prompt_token_ids), 0, "abort", time.monotonic())
             self._log(None, iteration)
+            _deliver_soon(stream.loop, [(stream.queue, output)])  # ends a caller still reading the stream
 
     def _publish(self, outputs: list[RequestOutput], scheduler_stats: SchedulerStats) -> None:
         """Hand a step's outputs to their callers, one wake-up per event loop, and log the step."""
