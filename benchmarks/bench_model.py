@@ -1,7 +1,9 @@
 """The benchmark model of ../shared/benchmarks.md: Qwen3-0.6B's architecture with random bf16 weights.
 
 Throughput does not depend on weight values when every request ignores EOS, so a random model built
-from the config stands in for the real one on a machine without a hub.
+from the config stands in for the real one on a machine without a hub. It gets a word-level
+tokenizer (token i is the word ``t<i>``), so that a server streams text and detokenizing costs what
+it costs with a real tokenizer of the same vocabulary size.
 """
 
 from __future__ import annotations
@@ -29,7 +31,19 @@ def build_random_model(directory: Path | None = None, **overrides) -> Path:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
+    save_word_tokenizer(directory, config.vocab_size)
     return directory
+
+
+def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """Write a fast tokenizer whose id i is the word ``t<i>``: text is the ids' words joined by spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##")  # no word carries the prefix, so words join with spaces
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(directory)
 
 
 def recipe_requests(num_requests: int = 256, seed: int = 0) -> tuple[list[list[int]], list[int]]:

@@ -54,9 +54,31 @@ def test_concurrent_streams_match_the_offline_outputs(llm, model):
     with LLM(model=model, **KWARGS) as offline:
         expected = offline.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(6), use_tqdm=False)
     for outputs, reference in zip(streamed, expected):
-        assert [o.finished for o in outputs] == [False] * 5 + [True]
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]  # steps may fold together
         assert [t for o in outputs for t in o.outputs[0].token_ids] == reference.outputs[0].token_ids
         assert "".join(o.outputs[0].text for o in outputs) == reference.outputs[0].text
+
+
+def test_a_caller_that_falls_behind_gets_the_missed_steps_in_one_output(llm, model):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2, logprobs=2)
+
+    async def main():
+        stream = llm.generate({"prompt_token_ids": PROMPTS[1]}, params, "slow")
+        first = await anext(stream)
+        while llm.engine.has_unfinished_requests():  # the caller reads nothing while the engine runs
+            await asyncio.sleep(0.01)
+        return first, [out async for out in stream]
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished and not first.finished
+    with LLM(model=model, **KWARGS) as offline:
+        [reference] = offline.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)
+    for expected in reference.outputs:
+        parts = [c for out in (first, rest[0]) for c in out.outputs if c.index == expected.index]
+        assert [t for c in parts for t in c.token_ids] == expected.token_ids
+        assert "".join(c.text for c in parts) == expected.text
+        assert [p for c in parts for p in c.logprobs] == expected.logprobs
+        assert parts[-1].finish_reason == expected.finish_reason == "length"
 
 
 def test_a_cancelled_caller_aborts_its_request_and_frees_its_blocks(llm):

@@ -37,12 +37,39 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (an error in a step, or shutdown); no request can be served any more."""
 
 
+class RequestOutputCollector:
+    """One request's outputs on its caller's event loop, waiting to be taken (vLLM's name).
+
+    A caller that falls behind the engine (a busy server, a slow client) finds the outputs of every
+    step it missed folded into one: it is handed one item however many steps ran, so a loaded event
+    loop does less work per token instead of falling further behind. An error replaces whatever is
+    waiting."""
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self._item, RequestOutput) and isinstance(item, RequestOutput):
+            self._item.add(item)
+        elif not isinstance(self._item, BaseException):
+            self._item = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self._item is None:
+            await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        return item
+
+
 @dataclass
 class _RequestStream:
-    """Where one request's outputs go: a queue on its caller's event loop."""
+    """Where one request's outputs go: a collector on its caller's event loop."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    collector: RequestOutputCollector
     stats: RequestStateStats = field(default_factory=lambda: RequestStateStats(time.monotonic()))
 
 
@@ -87,18 +114,19 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as its tokens are sampled, each with only what is new
-        (``RequestOutputKind.DELTA``, whatever ``sampling_params`` asks), the last one finished.
+        (``RequestOutputKind.DELTA``, whatever ``sampling_params`` asks), the last one finished. An
+        output holds every step since the caller last took one (``RequestOutputCollector``).
 
         Raises the engine's ValueError / TypeError for a request it refuses, and EngineDeadError if
         the loop dies. Leaving early (break, cancellation) aborts the request."""
         if sampling_params.output_kind is not RequestOutputKind.DELTA:
             sampling_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
-        stream = _RequestStream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _RequestStream(asyncio.get_running_loop(), RequestOutputCollector())
         self._send(_Add(request_id, prompt, sampling_params, stream))
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.collector.get()
                 if isinstance(item, BaseException):
                     finished = True  # refused or dead: nothing left to abort
                     raise item
@@ -176,13 +204,13 @@ class AsyncLLM:
     def _add(self, command: _Add) -> None:
         stream = command.stream
         if command.request_id in self._streams:
-            _deliver_soon(stream.loop, [(stream.queue, ValueError(
+            _deliver_soon(stream.loop, [(stream.collector, ValueError(
                 f"request_id={command.request_id!r} is already in use; give each running request its own id"))])
             return
         try:
             self.engine.add_request(self.engine.make_request(command.request_id, command.prompt, command.params))
         except (ValueError, TypeError) as error:
-            _deliver_soon(stream.loop, [(stream.queue, error)])
+            _deliver_soon(stream.loop, [(stream.collector, error)])
             return
         self._streams[command.request_id] = stream
 
@@ -195,7 +223,7 @@ class AsyncLLM:
             iteration = IterationStats()
             iteration.update_from_output(stream.stats, len(output.prompt_token_ids), 0, "abort", time.monotonic())
             self._log(None, iteration)
-            _deliver_soon(stream.loop, [(stream.queue, output)])  # ends a caller still reading the stream
+            _deliver_soon(stream.loop, [(stream.collector, output)])  # ends a caller still reading the stream
 
     def _publish(self, outputs: list[RequestOutput], scheduler_stats: SchedulerStats) -> None:
         """Hand a step's outputs to their callers, one wake-up per event loop, and log the step."""
@@ -212,7 +240,7 @@ class AsyncLLM:
                 stream.stats, len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs),
                 output.outputs[0].finish_reason if output.finished else None, now,
             )
-            deliveries[stream.loop].append((stream.queue, output))
+            deliveries[stream.loop].append((stream.collector, output))
         for loop, items in deliveries.items():
             _deliver_soon(loop, items)
         self._log(scheduler_stats, iteration)
@@ -235,13 +263,13 @@ class AsyncLLM:
             if isinstance(command, _Add):
                 streams.append(command.stream)
         for stream in streams:
-            _deliver_soon(stream.loop, [(stream.queue, self._new_dead_error())])
+            _deliver_soon(stream.loop, [(stream.collector, self._new_dead_error())])
 
 
-def _deliver_soon(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, object]]) -> None:
+def _deliver_soon(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestOutputCollector, object]]) -> None:
     def deliver() -> None:
-        for target, item in items:
-            target.put_nowait(item)
+        for collector, item in items:
+            collector.put(item)
 
     try:
         loop.call_soon_threadsafe(deliver)

@@ -43,3 +43,23 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int
+
+    def add(self, next_output: RequestOutput) -> None:
+        """Fold the request's next DELTA output into this one, as if the two steps had been one: each
+        sequence's new text, tokens and logprobs are appended, its finish taken from the later."""
+        self.finished = next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        if next_output.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + next_output.prompt_logprobs
+        by_index = {completion.index: completion for completion in self.outputs}
+        for new in next_output.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids  # new lists: the engine may still hold the old ones
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
