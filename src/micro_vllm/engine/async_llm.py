@@ -93,7 +93,7 @@ class AsyncLLM:
     """Serve requests concurrently from asyncio: ``async for out in llm.generate(prompt, params, id)``.
 
     ``stat_loggers`` get ``record(scheduler_stats, iteration_stats)`` from the loop thread after
-    every step, and a snapshot between steps whenever the engine falls idle."""
+    every step, and a snapshot between steps whenever the engine falls idle or shuts down."""
 
     def __init__(self, config: LLMConfig, stat_loggers: Iterable = ()) -> None:
         self.engine = Engine(config)
@@ -180,6 +180,7 @@ class AsyncLLM:
                     self._publish(outputs, engine.last_step_stats)
                 if not engine.has_unfinished_requests():
                     self._log(engine.scheduler.make_stats(), None)  # idle: queues and KV as they are left
+            self._log(engine.scheduler.make_stats(), None)  # what shutdown leaves, whatever came with it
             self._die(EngineDeadError("the engine was shut down"))
         except BaseException as error:  # noqa: BLE001 - whatever stops the loop fails every caller
             self._die(error)
