@@ -6,7 +6,8 @@
 Sends the throughput recipe's requests (``bench_model.recipe_requests``: prompts of token ids, output
 lengths, EOS ignored) as streamed ``/v1/completions``, arriving as a Poisson process at each request rate
 ("inf": all at once) under each concurrency cap, and prints one JSON object per (rate, concurrency):
-output throughput, and time to first token and time per output token at p50 and p99.
+output throughput, time to first token and time per output token at p50 and p99, and the share of
+one core this client used (near 1, the client and not the server limited the run).
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ async def _send(http: httpx.AsyncClient, model: str, prompt: list[int], max_toke
         if response.status_code != 200:
             raise RuntimeError(f"status {response.status_code}: {(await response.aread()).decode()[:500]}")
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if not line.startswith("data: {"):
                 continue
-            chunk = json.loads(line[len("data: "):])
-            if ttft is None and chunk["choices"]:
+            if ttft is None:  # the first chunk carries the first token's text
                 ttft = time.perf_counter() - start
-            if chunk.get("usage"):
-                output_tokens = chunk["usage"]["completion_tokens"]
+            # Only the last chunk has a usage object: parsing every chunk would make this client,
+            # not the server, the bottleneck at saturation.
+            if '"usage"' in line and '"usage":null' not in line:
+                output_tokens = json.loads(line[len("data: "):])["usage"]["completion_tokens"]
     return RequestResult(ttft=ttft, latency=time.perf_counter() - start, output_tokens=output_tokens)
 
 
@@ -70,7 +72,7 @@ async def run(url: str, model: str, prompts: list[list[int]], max_tokens: list[i
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=headers) as http:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         tasks = []
         for prompt, n in zip(prompts, max_tokens):
             tasks.append(asyncio.create_task(one(http, prompt, n)))
@@ -78,6 +80,7 @@ async def run(url: str, model: str, prompts: list[list[int]], max_tokens: list[i
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
+        client_cpu = (time.process_time() - cpu_start) / seconds
     output_tokens = sum(r.output_tokens for r in results)
     ttfts = [r.ttft for r in results]
     tpots = [r.tpot for r in results if r.tpot is not None] or [0.0]
@@ -91,6 +94,7 @@ async def run(url: str, model: str, prompts: list[list[int]], max_tokens: list[i
         "requests_per_s": round(len(results) / seconds, 3),
         "ttft_ms_p50": _ms(_percentile(ttfts, 50)), "ttft_ms_p99": _ms(_percentile(ttfts, 99)),
         "tpot_ms_p50": _ms(_percentile(tpots, 50)), "tpot_ms_p99": _ms(_percentile(tpots, 99)),
+        "client_cpu_share": round(client_cpu, 2),  # near 1: this client, not the server, set the pace
     }
 
 
