@@ -7,7 +7,8 @@ Sends the throughput recipe's requests (``bench_model.recipe_requests``: prompts
 lengths, EOS ignored) as streamed ``/v1/completions``, arriving as a Poisson process at each request rate
 ("inf": all at once) under each concurrency cap, and prints one JSON object per (rate, concurrency):
 output throughput, time to first token and time per output token at p50 and p99, and the share of
-one core this client used (near 1, the client and not the server limited the run).
+a core the busiest client process used (near 1, the client and not the server limited the run:
+raise ``--client-processes``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import time
@@ -58,10 +60,9 @@ async def _send(http: httpx.AsyncClient, model: str, prompt: list[int], max_toke
     return RequestResult(ttft=ttft, latency=time.perf_counter() - start, output_tokens=output_tokens)
 
 
-async def run(url: str, model: str, prompts: list[list[int]], max_tokens: list[int], request_rate: float,
-              concurrency: int, temperature: float = 0.6, seed: int = 0, api_key: str | None = None) -> dict:
-    """Send every request (Poisson arrivals at ``request_rate`` per second, at most ``concurrency``
-    in flight) and return the figures of the run."""
+async def _client(url: str, model: str, prompts: list[list[int]], max_tokens: list[int], request_rate: float,
+                  concurrency: int, temperature: float, seed: int, api_key: str | None):
+    """One client's share of the run: its results, its wall-clock start and end, and its CPU seconds."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
 
@@ -72,21 +73,45 @@ async def run(url: str, model: str, prompts: list[list[int]], max_tokens: list[i
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=headers) as http:
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start = time.time(), time.process_time()
         tasks = []
         for prompt, n in zip(prompts, max_tokens):
             tasks.append(asyncio.create_task(one(http, prompt, n)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
-        seconds = time.perf_counter() - start
-        client_cpu = (time.process_time() - cpu_start) / seconds
+        return results, start, time.time(), time.process_time() - cpu_start
+
+
+def _client_process(args: tuple):
+    return asyncio.run(_client(*args))
+
+
+def run(url: str, model: str, prompts: list[list[int]], max_tokens: list[int], request_rate: float,
+        concurrency: int, temperature: float = 0.6, seed: int = 0, api_key: str | None = None,
+        client_processes: int = 1) -> dict:
+    """Send every request (Poisson arrivals at ``request_rate`` per second, at most ``concurrency``
+    in flight) and return the figures of the run. With ``client_processes`` > 1 the requests, the
+    rate and the concurrency are dealt out to that many processes, so that one Python process's
+    parsing of the streams does not cap what the server is seen to do."""
+    shares = [(url, model, prompts[k::client_processes], max_tokens[k::client_processes],
+               request_rate / client_processes, -(-concurrency // client_processes), temperature, seed + k, api_key)
+              for k in range(client_processes)]
+    if client_processes == 1:
+        parts = [_client_process(shares[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(client_processes) as pool:
+            parts = pool.map(_client_process, shares)
+    results = [r for part in parts for r in part[0]]
+    seconds = max(part[2] for part in parts) - min(part[1] for part in parts)
+    client_cpu = max(part[3] for part in parts) / seconds
     output_tokens = sum(r.output_tokens for r in results)
     ttfts = [r.ttft for r in results]
     tpots = [r.tpot for r in results if r.tpot is not None] or [0.0]
     return {
         "request_rate": request_rate if request_rate != float("inf") else "inf",
         "concurrency": concurrency,
+        "client_processes": client_processes,
         "num_requests": len(results),
         "seconds": round(seconds, 3),
         "output_tokens": output_tokens,
@@ -94,7 +119,7 @@ async def run(url: str, model: str, prompts: list[list[int]], max_tokens: list[i
         "requests_per_s": round(len(results) / seconds, 3),
         "ttft_ms_p50": _ms(_percentile(ttfts, 50)), "ttft_ms_p99": _ms(_percentile(ttfts, 99)),
         "tpot_ms_p50": _ms(_percentile(tpots, 50)), "tpot_ms_p99": _ms(_percentile(tpots, 99)),
-        "client_cpu_share": round(client_cpu, 2),  # near 1: this client, not the server, set the pace
+        "client_cpu_share": round(client_cpu, 2),  # the busiest client's; near 1, the client set the pace
     }
 
 
@@ -118,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="requests per second, Poisson arrivals; inf sends all at once")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[256], help="most requests in flight")
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="processes sending the requests (each a share of them); more when one is near a full core")
     parser.add_argument("--max-prompt-len", type=int, default=None, help="cut the recipe's prompts to this many tokens")
     parser.add_argument("--max-output-len", type=int, default=None, help="cap the recipe's output lengths")
     parser.add_argument("--vocab-size", type=int, default=None,
@@ -135,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
     for rate in args.request_rate:
         for concurrency in args.concurrency:
-            print(json.dumps(asyncio.run(run(args.url, model, prompts, max_tokens, rate, concurrency,
-                                             args.temperature, api_key=args.api_key))), flush=True)
+            print(json.dumps(run(args.url, model, prompts, max_tokens, rate, concurrency, args.temperature,
+                                 api_key=args.api_key, client_processes=args.client_processes)), flush=True)
 
 
 if __name__ == "__main__":

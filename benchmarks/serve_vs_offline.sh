@@ -20,5 +20,6 @@ until curl -sf "localhost:$port/health" > /dev/null; do
   sleep 1
 done
 python3 benchmarks/serve.py --url "http://localhost:$port" "$@" | tee "$OUT/serve.jsonl"
+echo "the server's threads, CPU time used:"; ps -L -o tid,time,comm -p $server | sort -k2 -r | head -5
 echo "after the runs:"; curl -s "localhost:$port/metrics" | grep -E "^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)"
 kill $server; wait $server

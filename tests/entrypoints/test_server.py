@@ -240,7 +240,7 @@ def test_serve_benchmark_runs_against_the_server(server, capsys):
 
     serve_benchmark.main(["--url", server, "--api-key", API_KEY, "--num-requests", "6", "--request-rate", "inf",
                           "50", "--concurrency", "3", "--max-prompt-len", "20", "--max-output-len", "4",
-                          "--vocab-size", "256"])
+                          "--vocab-size", "256", "--client-processes", "2"])
     runs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["request_rate"], r["concurrency"], r["num_requests"]) for r in runs] == [("inf", 3, 6), (50, 3, 6)]
     for r in runs:
