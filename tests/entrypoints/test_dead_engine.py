@@ -1,4 +1,4 @@
-"""The app on an engine whose loop dies while a request runs: that request gets a 500 error object,
+"""The app on an engine whose process dies while a request runs: that request gets a 500 error object,
 /health turns 503, and later requests are refused with the loop's error (in-process, through ASGI)."""
 
 import asyncio
@@ -17,17 +17,17 @@ def test_a_dead_engine_loop_fails_requests_and_health(tmp_path):
     logger = PrometheusStatLogger("tiny")
     engine = AsyncLLM(config, stat_loggers=[logger])
 
-    step, calls = engine.engine.step, []
+    killed = []
 
-    def failing_step():  # dies once the first output is out: inside the response, not before it
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom in a step")
-        return step()
+    class KillOnFirstTokens:  # the engine dies once the first output is out: inside the response
+        def record(self, scheduler_stats, iteration_stats):
+            if iteration_stats is not None and iteration_stats.num_generation_tokens and not killed:
+                killed.append(1)
+                engine._process.kill()
 
-    engine.engine.step = failing_step
+    engine.stat_loggers.append(KillOnFirstTokens())
     app = build_app(engine, ["tiny"], "tiny", logger)
-    body = {"prompt": [1, 2, 3], "max_tokens": 4}
+    body = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True}
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
@@ -41,7 +41,7 @@ def test_a_dead_engine_loop_fails_requests_and_health(tmp_path):
         failed, health, later = asyncio.run(main())
     finally:
         engine.shutdown()
-    assert len(calls) == 3
-    assert failed.status_code == 500 and "boom in a step" in failed.json()["error"]["message"]
+    assert killed
+    assert failed.status_code == 500 and "process exited" in failed.json()["error"]["message"]
     assert health.status_code == 503
     assert later.status_code == 500 and later.json()["error"]["code"] == 500

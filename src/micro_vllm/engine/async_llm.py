@@ -1,25 +1,24 @@
-"""``AsyncLLM`` (vLLM's name): the engine loop in a background thread, and an async generator per request.
+"""``AsyncLLM`` (vLLM's name): the engine in its own process, and an async generator per request.
 
-The ``Engine`` is not thread-safe, so only the loop thread ever touches it. An asyncio caller hands
-its requests and aborts to that thread through a queue; the thread validates and adds them, steps
-the engine while anything is unfinished, and hands each step's outputs back to the callers' event
-loops (``call_soon_threadsafe``). Why a thread and not a process: torch releases the GIL inside its
-kernels and the GPU runs asynchronously, so the event loop stays responsive; one process keeps
-the KV cache, the scheduler and the outputs in one place with nothing to serialize
-(docs/architecture.md, section 6).
+The engine runs in a background process (``core_proc.py``), as vLLM's engine core does. In one
+process the HTTP server's event loop and the engine's host work (planning, input preparation,
+detokenization) would share one GIL, and with a few hundred streams the server's work per token
+slowed every engine step (docs/architecture.md, section 6). Requests and aborts go to the process
+over a pipe; each step's outputs come back as one message, which a reader thread hands to the
+callers' event loops, one wake-up per loop per step.
 
 A bad request fails only its own caller, with the engine's error (a ValueError or TypeError that
 names the field). A caller that stops listening (cancelled, or the generator closed) aborts its
-request before the next step, which frees its KV blocks. If the loop itself dies, every caller
-waiting on it gets an ``EngineDeadError``, and so does every later call and ``check_health``.
+request before the next step, which frees its KV blocks. If the engine stops (an error in a step, or
+its process exits), every caller waiting on it gets an ``EngineDeadError``, and so does every later
+call and ``check_health``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
-import queue
+import multiprocessing
 import threading
 import time
 from collections import defaultdict
@@ -27,14 +26,16 @@ from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 
 from micro_vllm.config import LLMConfig
-from micro_vllm.engine.engine import Engine, PromptType
+from micro_vllm.engine.core_proc import run_engine_core
+from micro_vllm.engine.engine import PromptType
+from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.engine.output import RequestOutput
 from micro_vllm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
+from micro_vllm.model_loader.checkpoint import resolve_model_path
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
+from micro_vllm.tokenizer import load_tokenizer
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (an error in a step, or shutdown); no request can be served any more."""
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestOutputCollector"]
 
 
 class RequestOutputCollector:
@@ -66,48 +67,50 @@ class RequestOutputCollector:
 
 @dataclass
 class _RequestStream:
-    """Where one request's outputs go: a collector on its caller's event loop."""
+    """Where one request's outputs go: a collector on its caller's event loop. The prompt comes with
+    the request's first output only (``core_proc.py``); the stream keeps it for the others."""
 
     loop: asyncio.AbstractEventLoop
     collector: RequestOutputCollector
     stats: RequestStateStats = field(default_factory=lambda: RequestStateStats(time.monotonic()))
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    stream: _RequestStream
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-_SHUTDOWN = object()
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class AsyncLLM:
     """Serve requests concurrently from asyncio: ``async for out in llm.generate(prompt, params, id)``.
 
-    ``stat_loggers`` get ``record(scheduler_stats, iteration_stats)`` from the loop thread after
-    every step, and a snapshot between steps whenever the engine falls idle or shuts down."""
+    Building it starts the engine's process and waits until the model is loaded (an engine that
+    cannot be built raises its error here). ``stat_loggers`` get ``record(scheduler_stats,
+    iteration_stats)`` from the reader thread after every step, and a snapshot whenever the engine
+    falls idle or shuts down."""
 
     def __init__(self, config: LLMConfig, stat_loggers: Iterable = ()) -> None:
-        self.engine = Engine(config)
-        self.max_model_len = self.engine.max_model_len
-        self.vocab_size = self.engine.vocab_size
-        # The frontend's own copy: a Hugging Face fast tokenizer must not be used by two threads at once.
-        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        context = multiprocessing.get_context("spawn")  # a forked child would inherit this process' threads and CUDA state
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=run_engine_core, args=(config, child_conn),
+                                        name="micro-vllm-engine-core", daemon=True)
+        self._process.start()
+        child_conn.close()
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            message = ("dead", EngineDeadError(f"the engine process exited with {self._process.exitcode} while starting"))
+        if message[0] == "dead":
+            self._process.join()
+            raise message[1]
+        _, self.max_model_len, self.vocab_size = message
+        model_config = config.model_config
+        self.tokenizer = load_tokenizer(resolve_model_path(model_config.model), model_config.tokenizer)
         self.stat_loggers = list(stat_loggers)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _RequestStream] = {}  # the loop thread's only
-        self._dead_lock = threading.Lock()  # orders "is it dead?" before a command is queued
+        self._streams: dict[str, _RequestStream] = {}
+        self._lock = threading.Lock()  # guards the streams and the dead error
+        # The pipe's sending end has its own lock: a send can wait while the engine steps, and the
+        # reader thread must still be able to take the streams' lock meanwhile.
+        self._send_lock = threading.Lock()
         self._dead_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run_engine_loop, name="micro-vllm-engine", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._read_outputs, name="micro-vllm-outputs", daemon=True)
+        self._reader.start()
 
     # -- the caller's side (any event loop) ----------------------------------------------------
 
@@ -118,11 +121,17 @@ class AsyncLLM:
         output holds every step since the caller last took one (``RequestOutputCollector``).
 
         Raises the engine's ValueError / TypeError for a request it refuses, and EngineDeadError if
-        the loop dies. Leaving early (break, cancellation) aborts the request."""
+        the engine stops. Leaving early (break, cancellation) aborts the request."""
         if sampling_params.output_kind is not RequestOutputKind.DELTA:
             sampling_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
         stream = _RequestStream(asyncio.get_running_loop(), RequestOutputCollector())
-        self._send(_Add(request_id, prompt, sampling_params, stream))
+        with self._lock:
+            if self._dead_error is not None:
+                raise self._new_dead_error()
+            if request_id in self._streams:
+                raise ValueError(f"request_id={request_id!r} is already in use; give each running request its own id")
+            self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, sampling_params))
         finished = False
         try:
             while not finished:
@@ -134,109 +143,91 @@ class AsyncLLM:
                 yield item
         finally:
             if not finished:
-                self._send(_Abort(request_id), raise_if_dead=False)
+                self._send_abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request before the next step: its caller's stream ends with an output whose
         finish_reason is "abort" (nothing happens if it already finished)."""
-        self._send(_Abort(request_id), raise_if_dead=False)
+        self._send_abort(request_id)
 
     @property
     def errored(self) -> bool:
         return self._dead_error is not None
 
     def check_health(self) -> None:
-        """Raise EngineDeadError if the engine loop has stopped."""
+        """Raise EngineDeadError if the engine has stopped."""
         if self._dead_error is not None:
             raise self._new_dead_error()
 
     def shutdown(self) -> None:
-        """Stop the loop (callers still waiting get EngineDeadError) and release the engine."""
-        if self._thread.is_alive():
-            self._commands.put(_SHUTDOWN)
-            self._thread.join()
-        self.engine.shutdown()
+        """Stop the engine (callers still waiting get EngineDeadError) and its process."""
+        if self._dead_error is None:
+            self._send(("shutdown",))
+        self._reader.join()
+        self._process.join(timeout=60)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
 
-    def _send(self, command, raise_if_dead: bool = True) -> None:
-        with self._dead_lock:
-            if self._dead_error is None:
-                self._commands.put(command)
-            elif raise_if_dead:
-                raise self._new_dead_error()
+    def _send_abort(self, request_id: str) -> None:
+        if self._dead_error is None:
+            self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        """Send a command; one the engine can no longer get (its process is gone) is dropped, and
+        the reader thread fails every caller as the pipe closes."""
+        try:
+            with self._send_lock:
+                self._conn.send(command)
+        except OSError:
+            pass
 
     def _new_dead_error(self) -> EngineDeadError:
-        error = EngineDeadError(f"the engine loop stopped: {self._dead_error!r}")
+        error = EngineDeadError(f"the engine stopped: {self._dead_error!r}")
         error.__cause__ = self._dead_error
         return error
 
-    # -- the loop thread -----------------------------------------------------------------------
+    # -- the reader thread ---------------------------------------------------------------------
 
-    def _run_engine_loop(self) -> None:
-        engine = self.engine
+    def _read_outputs(self) -> None:
+        """Hand the engine's messages to their callers until it stops."""
         try:
-            while self._apply_commands(block=not engine.has_unfinished_requests()):
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._publish(outputs, engine.last_step_stats)
-                if not engine.has_unfinished_requests():
-                    self._log(engine.scheduler.make_stats(), None)  # idle: queues and KV as they are left
-            self._log(engine.scheduler.make_stats(), None)  # what shutdown leaves, whatever came with it
-            self._die(EngineDeadError("the engine was shut down"))
-        except BaseException as error:  # noqa: BLE001 - whatever stops the loop fails every caller
-            self._die(error)
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "outputs":
+                    self._publish(message[1], message[2])
+                elif kind == "refused":
+                    with self._lock:
+                        stream = self._streams.pop(message[1])
+                    _deliver_soon(stream.loop, [(stream.collector, message[2])])
+                elif kind == "stats":
+                    self._log(message[1], None)
+                else:  # "dead"
+                    error = message[1]
+                    break
+        except EOFError:
+            error = EngineDeadError(f"the engine process exited with {self._process.exitcode}")
+        except BaseException as failure:  # noqa: BLE001 - whatever stops the reader fails every caller
+            error = failure
+        self._die(error)
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply the queued adds and aborts, waiting for the first one when ``block``; False on shutdown."""
-        try:
-            command = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while command is not _SHUTDOWN:
-            if isinstance(command, _Abort):
-                self._abort(command.request_id)
-            else:
-                self._add(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-        return False
-
-    def _add(self, command: _Add) -> None:
-        stream = command.stream
-        if command.request_id in self._streams:
-            _deliver_soon(stream.loop, [(stream.collector, ValueError(
-                f"request_id={command.request_id!r} is already in use; give each running request its own id"))])
-            return
-        try:
-            self.engine.add_request(self.engine.make_request(command.request_id, command.prompt, command.params))
-        except (ValueError, TypeError) as error:
-            _deliver_soon(stream.loop, [(stream.collector, error)])
-            return
-        self._streams[command.request_id] = stream
-
-    def _abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return  # finished already, or refused
-        output = self.engine.abort_request(request_id)
-        if output is not None:
-            iteration = IterationStats()
-            iteration.update_from_output(stream.stats, len(output.prompt_token_ids), 0, "abort", time.monotonic())
-            self._log(None, iteration)
-            _deliver_soon(stream.loop, [(stream.collector, output)])  # ends a caller still reading the stream
-
-    def _publish(self, outputs: list[RequestOutput], scheduler_stats: SchedulerStats) -> None:
+    def _publish(self, outputs: list[RequestOutput], scheduler_stats: SchedulerStats | None) -> None:
         """Hand a step's outputs to their callers, one wake-up per event loop, and log the step."""
         now = time.monotonic()
         iteration = IterationStats()
         deliveries = defaultdict(list)
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
+        with self._lock:
+            streams = [self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
+                       for o in outputs]
+        for output, stream in zip(outputs, streams):
             if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
+                continue  # a caller already failed (its engine died meanwhile)
+            if output.prompt_token_ids is None:
+                output.prompt, output.prompt_token_ids = stream.prompt, stream.prompt_token_ids
+            else:
+                stream.prompt, stream.prompt_token_ids = output.prompt, output.prompt_token_ids
             iteration.update_from_output(
                 stream.stats, len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs),
                 output.outputs[0].finish_reason if output.finished else None, now,
@@ -251,18 +242,11 @@ class AsyncLLM:
             logger.record(scheduler_stats, iteration)
 
     def _die(self, error: BaseException) -> None:
-        """Fail every waiting caller and every queued command; later calls fail at once."""
-        with self._dead_lock:
+        """Fail every waiting caller; later calls fail at once."""
+        with self._lock:
             self._dead_error = error
-        streams = list(self._streams.values())
-        self._streams.clear()
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(command, _Add):
-                streams.append(command.stream)
+            streams = list(self._streams.values())
+            self._streams.clear()
         for stream in streams:
             _deliver_soon(stream.loop, [(stream.collector, self._new_dead_error())])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import sys
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -30,8 +29,6 @@ from micro_vllm.entrypoints.openai.protocol import (
 )
 from micro_vllm.entrypoints.openai.serving import OpenAIError, OpenAIServing, error_response
 from micro_vllm.metrics.loggers import PrometheusStatLogger
-
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
@@ -135,10 +132,6 @@ def run_server(config, served_model_names: list[str], host: str, port: int, api_
     """Load the model, then serve until interrupted."""
     import uvicorn
 
-    # The engine loop's thread and the HTTP event loop share the GIL. When a step's tokens come back
-    # the engine thread must get it at once to plan the next step; at the default 5 ms a busy event
-    # loop could keep it for a whole GPU step.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     stat_logger = PrometheusStatLogger(served_model_names[0])
     engine = AsyncLLM(config, stat_loggers=[stat_logger])
     app = build_app(engine, served_model_names, config.model_config.model, stat_logger, api_key)
