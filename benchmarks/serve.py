@@ -5,7 +5,8 @@
 
 Sends the throughput recipe's requests (``bench_model.recipe_requests``: prompts of token ids, output
 lengths, EOS ignored) as streamed ``/v1/completions``, arriving as a Poisson process at each request rate
-("inf": all at once) under each concurrency cap, and prints one JSON object per (rate, concurrency):
+("inf": all at once) under each concurrency cap, after one short warm-up request, and prints one JSON
+object per timed run of each (rate, concurrency):
 output throughput, time to first token and time per output token at p50 and p99, and the share of
 a core the busiest client process used (near 1, the client and not the server limited the run:
 raise ``--client-processes``).
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="requests per second, Poisson arrivals; inf sends all at once")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[256], help="most requests in flight")
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs of each (rate, concurrency)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="processes sending the requests (each a share of them); more when one is near a full core")
     parser.add_argument("--max-prompt-len", type=int, default=None, help="cut the recipe's prompts to this many tokens")
@@ -160,10 +162,14 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [[t % args.vocab_size for t in p] for p in prompts]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
+    # One short request first, as the offline benchmark does: the server's first request pays for
+    # what runs once (imports on first use, the first response's serialization setup).
+    run(args.url, model, [prompts[0][:8]], [16], float("inf"), 1, args.temperature, api_key=args.api_key)
     for rate in args.request_rate:
         for concurrency in args.concurrency:
-            print(json.dumps(run(args.url, model, prompts, max_tokens, rate, concurrency, args.temperature,
-                                 api_key=args.api_key, client_processes=args.client_processes)), flush=True)
+            for _ in range(args.repeat):
+                print(json.dumps(run(args.url, model, prompts, max_tokens, rate, concurrency, args.temperature,
+                                     api_key=args.api_key, client_processes=args.client_processes)), flush=True)
 
 
 if __name__ == "__main__":
