@@ -211,6 +211,9 @@ def test_error_statuses(server, client):
     wrong_key = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        wrong_key.completions.create(model=MODEL, prompt="x", stream=True)
+    assert httpx.post(f"{server}/v1/completions", json={"prompt": 1.5}).status_code == 401  # the key before the body
     assert metric(metrics(server), "vllm:prompt_tokens_total") == requests_before  # nothing reached the engine
     assert httpx.get(f"{server}/health").status_code == 200
 

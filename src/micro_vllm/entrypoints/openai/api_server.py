@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -60,16 +60,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         return _error_json(error_response(message or "invalid request body", HTTPStatus.BAD_REQUEST, field),
                            HTTPStatus.BAD_REQUEST)
 
-    if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
+    expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next):
-            given = request.headers.get("Authorization", "").encode()
-            if request.url.path.startswith("/v1") and not secrets.compare_digest(given, expected):
-                body = error_response("Incorrect API key provided", HTTPStatus.UNAUTHORIZED)
-                return _error_json(body, HTTPStatus.UNAUTHORIZED)
-            return await call_next(request)
+    # A dependency of the /v1 routes rather than an HTTP middleware: Starlette's middleware relays
+    # every chunk of a streamed response through a queue of its own.
+    async def check_api_key(request: Request) -> None:
+        if expected is not None and not secrets.compare_digest(request.headers.get("Authorization", "").encode(),
+                                                               expected):
+            raise OpenAIError("Incorrect API key provided", HTTPStatus.UNAUTHORIZED)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.get("/health")
     async def health() -> Response:
@@ -79,15 +79,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         return serving.show_available_models()
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: CompletionRequest, raw_request: Request):
         return await _until_disconnected(serving.create_completion(request), raw_request)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await _until_disconnected(serving.create_chat_completion(request), raw_request)
 
@@ -99,6 +99,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
     async def detokenize(request: DetokenizeRequest):
         return serving.detokenize(request)
 
+    app.include_router(v1)
     return app
 
 
