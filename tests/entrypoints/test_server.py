@@ -164,11 +164,14 @@ def test_load_with_disconnects_and_malformed_requests(server, client):
             response = await http.post("/v1/chat/completions", json={"model": MODEL})
         return response.status_code
 
+    # A quarter of the clients leave after 0 to 3 chunks. A stream that falls behind gets several
+    # tokens per chunk, so only those that leave at the first chunk surely leave mid-stream.
+    disconnect_after = [rng.randint(0, 3) if i % 4 == 0 else None for i in range(64)]
+
     async def main():
         headers = {"Authorization": f"Bearer {API_KEY}"}
         async with httpx.AsyncClient(base_url=server, headers=headers, timeout=60) as http:
-            streams = [stream_one(PROMPTS[i % len(PROMPTS)], rng.randint(0, 3) if i % 4 == 0 else None)
-                       for i in range(64)]
+            streams = [stream_one(PROMPTS[i % len(PROMPTS)], disconnect_after[i]) for i in range(64)]
             bad = [malformed(http, i) for i in range(8)]
             jobs = streams + bad
             rng.shuffle(jobs)
@@ -178,7 +181,7 @@ def test_load_with_disconnects_and_malformed_requests(server, client):
     statuses = [r for r in results if isinstance(r, int)]
     completed = [r for r in results if isinstance(r, tuple)]
     assert statuses == [400] * 8
-    assert len(completed) + results.count(None) == 64 and results.count(None) >= 8  # most disconnects came early
+    assert len(completed) + results.count(None) == 64 and results.count(None) >= disconnect_after.count(0) > 0
     for prompt, text in completed:
         assert text == alone[prompt], prompt
     assert_idle(server)
