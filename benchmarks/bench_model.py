@@ -31,12 +31,3 @@ def build_random_model(directory: Path | None = None, **overrides) -> Path:
     model.save_pretrained(directory)
     return directory
 
-
-def recipe_requests(num_requests: int = 256, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """The recipe's prompts and output lengths, drawn in its order."""
-    import random
-
-    random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_requests)]
-    max_tokens = [random.randint(100, 1024) for _ in range(num_requests)]
-    return prompts, max_tokens
