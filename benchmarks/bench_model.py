@@ -45,12 +45,3 @@ def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
     words.decoder = decoders.WordPiece(prefix="##")  # no word carries the prefix, so words join with spaces
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(directory)
 
-
-def recipe_requests(num_requests: int = 256, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """The recipe's prompts and output lengths, drawn in its order."""
-    import random
-
-    random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_requests)]
-    max_tokens = [random.randint(100, 1024) for _ in range(num_requests)]
-    return prompts, max_tokens

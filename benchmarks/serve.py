@@ -3,7 +3,7 @@
     micro-vllm serve MODEL --port 8000 &
     python benchmarks/serve.py --url http://localhost:8000 --request-rate inf 8 32 --concurrency 64 256
 
-Sends the throughput recipe's requests (``bench_model.recipe_requests``: prompts of token ids, output
+Sends the throughput recipe's requests (``workloads.recipe``: prompts of token ids, output
 lengths, EOS ignored) as streamed ``/v1/completions``, arriving as a Poisson process at each request rate
 ("inf": all at once) under each concurrency cap, after one short warm-up request, and prints one JSON
 object per timed run of each (rate, concurrency):
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench_model import recipe_requests
+from workloads import recipe
 
 
 @dataclass
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="fold the recipe's token ids into a smaller vocabulary")
     args = parser.parse_args(argv)
 
-    prompts, max_tokens = recipe_requests(args.num_requests)
+    workload = recipe(args.num_requests)
+    prompts, max_tokens = workload.prompts, workload.max_tokens
     if args.max_prompt_len:
         prompts = [p[:args.max_prompt_len] for p in prompts]
     if args.max_output_len:

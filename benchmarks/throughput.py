@@ -1,8 +1,10 @@
-"""Offline throughput on the recipe of ../shared/benchmarks.md (nano-vllm's bench).
+"""Offline throughput on the recipe of ../shared/benchmarks.md (nano-vllm's bench), or on another
+workload of ``workloads.py`` (``vllm_workloads.py`` runs the same ones on vLLM).
 
     python benchmarks/throughput.py                      # random Qwen3-0.6B-shaped model
     python benchmarks/throughput.py --model DIR --compare-hf 16
     python benchmarks/throughput.py --sampling-params '{"logprobs": 5, "top_k": 50}'
+    python benchmarks/throughput.py --model DIR --workload shared-prefix
 
 Prints output tokens, seconds and output tokens per second; with ``--compare-hf N`` it also runs
 transformers' continuous batching on the first N requests in the same process, and micro-vLLM on the
@@ -19,17 +21,18 @@ from collections import defaultdict
 
 import torch
 
-from bench_model import build_random_model, recipe_requests
+from bench_model import build_random_model
+from workloads import WORKLOADS, make_workload
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.worker.model_runner import DeviceStepOutput
 
 
 def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float,
-                   sampling_params: dict | None = None) -> tuple[int, float]:
+                   sampling_params: dict | None = None) -> tuple[int, float, int]:
     """One timed ``generate`` of the prompts, from an empty prefix cache: an earlier run's cache
     (``--repeat``, the profiles, the recipe before the transformers comparison) would serve them.
     ``sampling_params`` (``--sampling-params``) adds SamplingParams fields to the recipe's, or
-    replaces them."""
+    replaces them. Returns output tokens, seconds, and prompt tokens the prefix cache served."""
     params = [recipe_params(n, temperature, sampling_params) for n in max_tokens]
     llm.reset_prefix_cache()
     _sync()
@@ -37,7 +40,8 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float,
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync()
     seconds = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs), seconds
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return sum(len(o.outputs[0].token_ids) for o in outputs), seconds, cached
 
 
 def recipe_params(max_tokens: int, temperature: float, extra: dict | None) -> SamplingParams:
@@ -206,8 +210,9 @@ def _sync() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (default: random Qwen3-0.6B-shaped bf16 model)")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="recipe", help="see workloads.py")
+    parser.add_argument("--num-requests", type=int, default=None, help="default: the workload's (256, or 32 long-context)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the workload's (4096 for the recipe)")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -227,11 +232,15 @@ def main() -> None:
     args = parser.parse_args()
 
     model_dir = args.model or str(build_random_model())
-    prompts, max_tokens = recipe_requests(args.num_requests)
+    workload = make_workload(args.workload, args.num_requests)
+    prompts, max_tokens = workload.prompts, workload.max_tokens
+    max_model_len = args.max_model_len or workload.max_model_len
+    print(f"workload {args.workload}: {len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens, "
+          f"{sum(max_tokens):,} output tokens, max_model_len {max_model_len}")
     engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                          attention_backend=args.attention_backend).items() if v is not None}
     start = time.perf_counter()
-    llm = LLM(model=model_dir, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+    llm = LLM(model=model_dir, max_model_len=max_model_len, enforce_eager=args.enforce_eager,
               custom_ops=args.custom_ops, **engine_args)
     startup = time.perf_counter() - start
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -240,17 +249,18 @@ def main() -> None:
     for _ in range(args.repeat):
         compiled_before = triton_compilations()
         with time_phases(llm) as phases:
-            tokens, seconds = run_micro_vllm(llm, prompts, max_tokens, args.temperature, args.sampling_params)
+            tokens, seconds, cached = run_micro_vllm(llm, prompts, max_tokens, args.temperature, args.sampling_params)
         compiled = triton_compilations() - compiled_before
         steps = int(phases["schedule_calls"])
         breakdown = {k: round(1e6 * phases[k] / steps) for k in PHASES}
         by_kind = {k: {"steps": int(phases[k + "_calls"]), "seconds": round(phases[k], 3),
                        "waiting_s": round(phases[k + "_wait"], 3)} for k in STEP_KINDS}
         results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds),
-                                "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
+                                "cached_prompt_tokens": cached, "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
                                 "triton_compilations": compiled})
         print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
-              f"{steps} steps, mean us/step {breakdown}; Triton compilations during the run: {compiled}")
+              f"{steps} steps, mean us/step {breakdown}; Triton compilations during the run: {compiled}; "
+              f"prompt tokens from the prefix cache: {cached:,}")
         for kind, row in by_kind.items():
             mean, wait = (1e3 * row[k] / row["steps"] if row["steps"] else 0.0 for k in ("seconds", "waiting_s"))
             print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step "
@@ -266,7 +276,7 @@ def main() -> None:
 
     if args.compare_hf:
         n, budget = args.compare_hf, args.hf_max_tokens
-        tokens, seconds = run_micro_vllm(llm, prompts[:n], [budget] * n, args.temperature, args.sampling_params)
+        tokens, seconds, _ = run_micro_vllm(llm, prompts[:n], [budget] * n, args.temperature, args.sampling_params)
         results["compare_micro_vllm"] = {"requests": n, "output_tokens": tokens, "seconds": round(seconds, 3)}
         print(f"micro-vllm on {n} requests x {budget} tokens: {tokens / seconds:,.0f} tok/s ({seconds:.2f} s)")
         llm.shutdown()

@@ -34,7 +34,7 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     prompts = [[1 + i] * (5 + 9 * i) for i in range(6)]
     max_tokens = [3 + 2 * i for i in range(6)]
     with throughput.time_phases(llm) as phases:
-        tokens, _ = throughput.run_micro_vllm(llm, prompts, max_tokens, temperature=0.6)
+        tokens, _, _ = throughput.run_micro_vllm(llm, prompts, max_tokens, temperature=0.6)
     assert tokens == sum(max_tokens)
     steps = phases["step_calls"]
     assert steps > 0 and all(phases[name + "_calls"] == steps for name in ("schedule", "execute"))
@@ -58,20 +58,12 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
 
 def test_every_timed_run_starts_from_an_empty_prefix_cache(tmp_path):
     """A second timed run of the same prompts computes them again: the first run's cached blocks
-    would otherwise serve them and flatter the figure."""
+    would otherwise serve them and flatter the figure. Within a run, a shared prefix is served."""
     llm = LLM(model=str(make_tiny_model("qwen3", tmp_path)), device="cpu", max_model_len=128, block_size=16)
-    prompts = [[1 + i] * 40 for i in range(3)]
-    generate, cached = llm.generate, []
-
-    def recording_generate(*args, **kwargs):
-        outputs = generate(*args, **kwargs)
-        cached.append([o.num_cached_tokens for o in outputs])
-        return outputs
-
-    llm.generate = recording_generate
-    for _ in range(2):
-        throughput.run_micro_vllm(llm, prompts, [2, 2, 2], temperature=0.6)
-    assert cached == [[0, 0, 0], [0, 0, 0]]
+    distinct = [[1 + i] * 40 for i in range(3)]
+    assert [throughput.run_micro_vllm(llm, distinct, [2, 2, 2], temperature=0.6)[2] for _ in range(2)] == [0, 0]
+    shared = [[7] * 32 + [1 + i] * 5 for i in range(3)]  # two shared blocks, computed once
+    assert [throughput.run_micro_vllm(llm, shared, [2, 2, 2], temperature=0.6)[2] for _ in range(2)] == [64, 64]
 
 
 def test_sampling_params_option_reaches_every_request(tmp_path):
@@ -218,3 +210,87 @@ def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatc
     assert launches[-1]["NUM_SPLITS"] == 2
     assert triton_attn._num_splits.__name__ == "_num_splits"  # restored
     torch.testing.assert_close(split, sweep.attend(step, None), atol=1e-4, rtol=1e-4)
+
+
+def test_workloads_are_deterministic_pure_python_and_have_their_promised_shapes():
+    import random
+    import subprocess
+
+    import workloads
+
+    # The recipe is nano-vllm's draws after random.seed(0): prompts first, then output lengths.
+    random.seed(0)
+    nano_prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    recipe = workloads.make_workload("recipe")
+    assert recipe.prompts == nano_prompts
+    assert recipe.max_tokens == [random.randint(100, 1024) for _ in range(256)]
+
+    shared = workloads.make_workload("shared-prefix")
+    assert shared == workloads.make_workload("shared-prefix")  # the same requests on every call
+    system_prompt = shared.prompts[0][:2000]
+    assert len(shared.prompts) == len(shared.max_tokens) == 256
+    assert all(p[:2000] == system_prompt for p in shared.prompts)
+    assert len({tuple(p[2000:]) for p in shared.prompts}) == 256  # each its own suffix
+    assert all(100 <= len(p) - 2000 <= 1024 for p in shared.prompts) and all(100 <= n <= 1024 for n in shared.max_tokens)
+
+    long = workloads.make_workload("long-context")
+    assert [len(p) for p in long.prompts] == [8000] * 32 and long.max_tokens == [512] * 32
+    assert len({tuple(p) for p in long.prompts}) == 32
+
+    for w in (recipe, shared, long):
+        assert all(len(p) + n <= w.max_model_len for p, n in zip(w.prompts, w.max_tokens))
+        assert all(0 <= t <= 10000 for p in w.prompts for t in p)
+    assert workloads.make_workload("shared-prefix", 3).prompts == shared.prompts[:3]
+    with pytest.raises(ValueError, match="workload='chat'"):
+        workloads.make_workload("chat")
+    # The vLLM side imports it: it must need neither micro-vLLM nor torch.
+    code = "import sys, workloads; assert not {'torch', 'micro_vllm'} & set(sys.modules), sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(workloads.__file__).parent)
+
+
+def test_vllm_workloads_runs_each_workload_from_an_empty_prefix_cache(monkeypatch, capsys):
+    """The vLLM side on a stand-in ``vllm`` module (vLLM is not installed here): one engine for all
+    the workloads, sized for the longest; a warm-up, then every timed run after a prefix-cache reset;
+    a RESULT line per run counting every requested token."""
+    import json
+    import types
+
+    import vllm_workloads
+    import workloads
+
+    calls = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            calls.append(("init", kwargs))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset",))
+
+        def generate(self, inputs, params, use_tqdm):
+            assert len(inputs) == len(params) and not use_tqdm
+            calls.append(("generate", [i["prompt_token_ids"] for i in inputs], params))
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * p.max_tokens)],
+                                          num_cached_tokens=None) for p in params]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, types.SimpleNamespace, "0.24.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    vllm_workloads.main(["--model", "/m", "--workload", "long-context", "recipe", "--repeat", "2"])
+
+    init = calls[0][1]
+    assert (init["model"], init["dtype"], init["max_model_len"], init["skip_tokenizer_init"], init["seed"]) == (
+        "/m", "bfloat16", 8512, True, 0)
+    assert calls[1][0] == "generate" and len(calls[1][1]) == 1  # the warm-up
+    timed = calls[2:]
+    assert [c[0] for c in timed] == ["reset", "generate"] * 4
+    long, recipe = workloads.long_context(), workloads.recipe()
+    assert [c[1] for c in timed[1::2]] == [long.prompts, long.prompts, recipe.prompts, recipe.prompts]
+    params = timed[-1][2]
+    assert [p.max_tokens for p in params] == recipe.max_tokens
+    assert all((p.temperature, p.ignore_eos, p.detokenize) == (0.6, True, False) for p in params)
+    results = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()]
+    assert results[0]["step"] == "vllm_start" and "error" in results[0]["config"]
+    runs = [(r["workload"], r["run"], r["output_tokens"]) for r in results[1:]]
+    assert runs == [("long-context", 1, 32 * 512), ("long-context", 2, 32 * 512),
+                    ("recipe", 1, sum(recipe.max_tokens)), ("recipe", 2, sum(recipe.max_tokens))]

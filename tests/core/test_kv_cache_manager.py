@@ -35,8 +35,9 @@ def test_allocate_and_free_block_ids():
     assert kv.num_free_blocks == 6
     kv.free(request)
     assert kv.num_free_blocks == 9
-    # Freed tail first: the request's last block is evicted first, its first block last.
-    assert [b.block_id for b in kv.block_pool.free_queue] == [4, 5, 6, 7, 8, 9, 3, 2, 1]
+    # Block 3 is partial, so uncached: it goes to the front, to be reused first. The cached blocks
+    # join the back tail first: the request's last full block is evicted first, its first block last.
+    assert [b.block_id for b in kv.block_pool.free_queue] == [3, 4, 5, 6, 7, 8, 9, 2, 1]
 
 
 class RecordingListener:
@@ -87,17 +88,18 @@ def test_hit_after_free_and_lru_eviction():
     a = make_request(list(range(8)) + [1])
     allocate_prompt(kv, a)  # blocks 1, 2 (full, cached) and 3
     kv.free(a)
-    assert [blk.block_id for blk in kv.block_pool.free_queue] == [4, 5, 6, 3, 2, 1]
+    # Block 3 holds no cached K/V: it is reused first; the cached prefix waits at the back.
+    assert [blk.block_id for blk in kv.block_pool.free_queue] == [3, 4, 5, 6, 2, 1]
     # Cached blocks survive in the free queue: a new request with the same prefix reuses them.
     b = make_request(list(range(8)) + [2])
     blocks, num_computed = kv.get_computed_blocks(b)
     assert num_computed == 8 and ids(blocks) == [[1, 2]]
-    assert ids(kv.allocate_slots(b, 1, num_computed, blocks)) == [[4]]
+    assert ids(kv.allocate_slots(b, 1, num_computed, blocks)) == [[3]]
     kv.free(b)
-    assert [blk.block_id for blk in kv.block_pool.free_queue] == [5, 6, 3, 4, 2, 1]
+    assert [blk.block_id for blk in kv.block_pool.free_queue] == [3, 4, 5, 6, 2, 1]
     # Unrelated requests take free blocks from the front: the cached prefix is used last.
     c = make_request(list(range(100, 116)))
-    assert ids(allocate_prompt(kv, c)[2]) == [[5, 6, 3, 4]]
+    assert ids(allocate_prompt(kv, c)[2]) == [[3, 4, 5, 6]]
     _, num_computed = kv.get_computed_blocks(make_request(list(range(8)) + [3]))
     assert num_computed == 8
     # One more block evicts the least recently used cached block (2, the prefix's tail).
@@ -105,6 +107,28 @@ def test_hit_after_free_and_lru_eviction():
     assert ids(allocate_prompt(kv, e)[2]) == [[2]]
     _, num_computed = kv.get_computed_blocks(make_request(list(range(8)) + [3]))
     assert num_computed == 4
+
+
+def test_freed_blocks_without_cached_kv_are_reused_before_cached_ones():
+    kv = make_kv_manager(num_blocks=5, block_size=4)  # 4 usable blocks
+    a = make_request(list(range(8)) + [1])
+    allocate_prompt(kv, a)  # blocks 1, 2 cached; 3 partial
+    y = make_request([100, 101, 102])
+    allocate_prompt(kv, y)  # block 4, partial
+    kv.free(a)
+    kv.free(y)  # freed last, but it caches nothing: it goes first
+    assert free_queue_ids(kv) == [4, 3, 2, 1]
+    # A two-block request takes the two uncached blocks; a's prefix stays whole.
+    assert ids(allocate_prompt(kv, make_request(list(range(200, 205))))[2]) == [[4, 3]]
+    assert kv.get_computed_blocks(make_request(list(range(8)) + [2]))[1] == 8
+
+
+def test_without_caching_freed_blocks_come_back_to_the_front_tail_first():
+    kv = make_kv_manager(num_blocks=8, block_size=4, enable_caching=False)
+    a = make_request(list(range(10)))
+    assert ids(allocate_prompt(kv, a)[2]) == [[1, 2, 3]]
+    kv.free(a)
+    assert free_queue_ids(kv) == [3, 2, 1, 4, 5, 6, 7]
 
 
 def test_reset_prefix_cache_only_when_no_block_is_held():
@@ -217,17 +241,18 @@ def test_least_recently_used_cached_block_is_evicted_first():
     allocate_prompt(kv, b)  # 4, 5 cached; 6 partial
     kv.free(a)
     kv.free(b)
-    assert free_queue_ids(kv) == [7, 8, 9, 3, 2, 1, 6, 5, 4]
+    assert free_queue_ids(kv) == [6, 3, 7, 8, 9, 2, 1, 5, 4]  # uncached partial blocks first
     # A hit takes blocks out of the queue; freed again, they are the most recently used.
-    c = make_request(list(range(20, 28)) + [5])
+    c = make_request(list(range(8)) + [5])
     blocks, num_computed, new = allocate_prompt(kv, c)
-    assert ids(blocks) == [[4, 5]] and ids(new) == [[7]]
+    assert ids(blocks) == [[1, 2]] and ids(new) == [[6]]
     kv.free(c)
-    assert free_queue_ids(kv) == [8, 9, 3, 2, 1, 6, 7, 5, 4]
-    # Six new blocks evict a's prefix (freed before b's was last used), tail first.
-    assert ids(allocate_prompt(kv, make_request(list(range(50, 70)) + [1]))[2]) == [[8, 9, 3, 2, 1, 6]]
-    assert kv.get_computed_blocks(make_request(list(range(8)) + [1]))[1] == 0
-    assert kv.get_computed_blocks(make_request(list(range(20, 28)) + [1]))[1] == 8
+    assert free_queue_ids(kv) == [6, 3, 7, 8, 9, 5, 4, 2, 1]
+    # Seven new blocks take the five uncached ones, then evict b's prefix (freed before a's was
+    # last used), tail first.
+    assert ids(allocate_prompt(kv, make_request(list(range(50, 74)) + [1]))[2]) == [[6, 3, 7, 8, 9, 5, 4]]
+    assert kv.get_computed_blocks(make_request(list(range(20, 28)) + [1]))[1] == 0
+    assert kv.get_computed_blocks(make_request(list(range(8)) + [1]))[1] == 8
 
 
 def test_freed_block_keeps_its_hash_until_it_is_reused():
@@ -261,6 +286,25 @@ def test_block_computed_twice_keeps_the_first_copy_cached():
     allocate_prompt(kv, make_request(list(range(50, 74)) + [1]))  # 7 blocks: 4..9, then 3
     assert pool.blocks[3].block_hash is None
     assert pool.get_cached_block(a.block_hashes[1], 0) is pool.blocks[2]
+
+
+def test_second_copy_of_a_block_stays_findable_once_the_first_is_evicted():
+    kv = make_kv_manager(num_blocks=10, block_size=4)
+    a, b = make_request(list(range(8))), make_request(list(range(8)))
+    allocate_prompt(kv, a)  # blocks 1, 2
+    allocate_prompt(kv, b)  # hits block 1; the last-token rule recomputes block 2's tokens into 3
+    pool = kv.block_pool
+    assert pool.blocks[3].block_hash == pool.blocks[2].block_hash
+    assert pool.get_cached_block(a.block_hashes[1], 0) is pool.blocks[2]  # the first copy is found first
+    assert len(pool.prefix_cache) == 3
+    kv.free(a)
+    kv.free(b)
+    assert free_queue_ids(kv) == [4, 5, 6, 7, 8, 9, 2, 3, 1]
+    # Seven new blocks evict the first copy (block 2); the second copy still serves the prefix.
+    assert ids(allocate_prompt(kv, make_request(list(range(50, 74)) + [1]))[2]) == [[4, 5, 6, 7, 8, 9, 2]]
+    assert pool.get_cached_block(a.block_hashes[1], 0) is pool.blocks[3]
+    blocks, num_computed = kv.get_computed_blocks(make_request(list(range(8)) + [9]))
+    assert num_computed == 8 and ids(blocks) == [[1, 3]]
 
 
 # -- sliding windows and cache groups ------------------------------------------------------------

@@ -114,6 +114,9 @@ def check_block_accounting(kv: KVCacheManager) -> None:
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders[block.block_id], f"{block} is held by {holders[block.block_id]} tables"
         assert (block.ref_cnt == 0) == (block.block_id in free_set), f"{block} free-queue membership is wrong"
+    # Reusing a block that holds no cached K/V loses nothing, so all of those go before any cached one.
+    cached = [pool.blocks[i].block_hash is not None for i in free]
+    assert cached == sorted(cached), "a free block with no cached K/V waits behind a cached one"
     null = pool.null_block
     assert null.ref_cnt == 0 and null.block_hash is None and null.block_id not in free_set
     used = sum(b.ref_cnt > 0 for b in pool.blocks[1:])
@@ -133,8 +136,14 @@ def check_cached_blocks(scheduler: Scheduler) -> None:
     caching on every full computed block is hashed, with it off none is."""
     kv = scheduler.kv_cache_manager
     block_size = kv.block_size
+    indexed = []
     for key, block in kv.block_pool.prefix_cache.items():
         assert block.block_hash == key, f"{block} is filed under another hash"
+        indexed.append(block.block_id)
+    # Every copy of cached content is findable: evicting one copy leaves the others to hit.
+    hashed = [block.block_id for block in kv.block_pool.blocks if block.block_hash is not None]
+    assert sorted(indexed) == hashed == sorted(set(indexed)), "a hashed block is not in the prefix cache once"
+    assert len(kv.block_pool.prefix_cache) == len(hashed)
     for group_id, manager in enumerate(kv.managers):
         for request_id, blocks in manager.req_to_blocks.items():
             request = scheduler.requests[request_id]

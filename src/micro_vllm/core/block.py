@@ -41,8 +41,9 @@ class KVCacheBlock:
 
 class FreeKVCacheBlockQueue:
     """Free blocks in eviction order: a doubly linked list, so a cache hit can take a block out of
-    the middle in O(1). Blocks are taken from the front; freed blocks join at the back, so the least
-    recently used cached block is evicted first."""
+    the middle in O(1). Blocks are taken from the front. Freed blocks that hold no cached K/V join at
+    the front, since reusing them loses nothing; cached ones join at the back, so the least recently
+    used cached block is evicted first."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)  # sentinels keep the link updates branch-free
@@ -66,9 +67,19 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
+        self._insert_after(self._tail.prev_free, block)
+
+    def prepend(self, blocks: list[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, in their order: the first one is taken first."""
+        anchor = self._head
+        for block in blocks:
+            self._insert_after(anchor, block)
+            anchor = block
+
+    def _insert_after(self, anchor: KVCacheBlock, block: KVCacheBlock) -> None:
+        after = anchor.next_free
+        anchor.next_free, block.prev_free = block, anchor
+        block.next_free, after.prev_free = after, block
         self.num_free_blocks += 1
 
     def __iter__(self):
@@ -126,16 +137,21 @@ class BlockPool:
         self._notify("hit", hit, request_id)
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
-        """Drop a reference on each block; blocks that reach zero join the back of the free queue in
-        the given order (callers pass a request's tail first, so its prefix is evicted last)."""
-        freed = []
+        """Drop a reference on each block, given in eviction order (callers pass a request's tail
+        first, so its prefix is evicted last). Blocks that reach zero and hold no cached K/V go to
+        the front of the free queue, to be reused first; cached ones to the back, so they live longer."""
+        freed, uncached = [], []
         for block in ordered_blocks:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
                 freed.append(block.block_id)
+                if block.block_hash is None:
+                    uncached.append(block)
+                else:
+                    self.free_queue.append(block)
+        self.free_queue.prepend(uncached)
         self._notify("freed", freed, request_id)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int, request_id: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from micro_vllm.core.block import KVCacheBlock
@@ -41,44 +41,71 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
 
 
 class PrefixCache:
-    """Hash -> block for every full block whose K/V may be reused.
+    """Hash -> blocks for every full block whose K/V may be reused.
 
     Keys carry the KV cache group, since each group keeps its own K/V for the same tokens. A block
     stays in the table while it sits in the free queue, and leaves it only when it is reused.
+
+    Two blocks may hold the same tokens (two requests computed them at once, or the last-token rule
+    made a request compute a cached block again). Block tables only grow, so neither is replaced by
+    the other; both stay findable, so evicting one copy leaves the other a hit. A lookup returns the
+    first copy cached; the rare later copies wait in ``_copies`` and the oldest takes its place.
     """
 
     def __init__(self) -> None:
         self._table: dict[tuple[BlockHash, int], KVCacheBlock] = {}
+        self._copies: dict[tuple[BlockHash, int], list[KVCacheBlock]] = {}
+        self._num_blocks = 0
 
     def __len__(self) -> int:
-        return len(self._table)
+        """Cached blocks, copies included."""
+        return self._num_blocks
 
-    def items(self) -> Iterable[tuple[tuple[BlockHash, int], KVCacheBlock]]:
-        """Every (hash, group) key with its cached block, for checks and traces."""
-        return self._table.items()
+    def items(self) -> Iterator[tuple[tuple[BlockHash, int], KVCacheBlock]]:
+        """Every (hash, group) key with each of its cached blocks, for checks and traces."""
+        for key, block in self._table.items():
+            yield key, block
+            for copy in self._copies.get(key, ()):
+                yield key, copy
 
     def get(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         return self._table.get((block_hash, group_id))
 
     def insert(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int) -> None:
-        # If these tokens are cached already (two requests computed them at once), the first block
-        # stays the canonical one; the second is still marked so it is never written again.
-        block.block_hash = (block_hash, group_id)
-        self._table.setdefault((block_hash, group_id), block)
+        key = (block_hash, group_id)
+        block.block_hash = key
+        if self._table.setdefault(key, block) is not block:
+            self._copies.setdefault(key, []).append(block)
+        self._num_blocks += 1
 
     def drop_stale(self) -> None:
         """Forget entries whose block no longer carries their hash (an eviction that was stopped
         half-way), so a lookup never returns a block that will be written with other tokens."""
-        self._table = {key: block for key, block in self._table.items() if block.block_hash == key}
+        kept = [block for key, block in self.items() if block.block_hash == key]
+        self.clear()
+        for block in kept:
+            self.insert(block, *block.block_hash)
 
     def clear(self) -> None:
         self._table.clear()
+        self._copies.clear()
+        self._num_blocks = 0
 
     def evict(self, block: KVCacheBlock) -> bool:
-        """Forget ``block``'s hash before it is reused; True if it was the cached copy."""
+        """Forget ``block``'s hash before it is reused; True if the block was in the table."""
         key = block.block_hash
         block.block_hash = None
-        if key is not None and self._table.get(key) is block:
-            del self._table[key]
-            return True
-        return False
+        copies = self._copies.get(key)
+        if self._table.get(key) is block:
+            if copies:
+                self._table[key] = copies.pop(0)
+            else:
+                del self._table[key]
+        elif copies and block in copies:
+            copies.remove(block)
+        else:
+            return False
+        if copies is not None and not copies:
+            del self._copies[key]
+        self._num_blocks -= 1
+        return True

@@ -1,0 +1,81 @@
+"""vLLM on the workloads of ``workloads.py``, beside ``throughput.py --workload W`` in the same GPU run
+(``peer_workloads.sh`` runs both).
+
+    PYTHONPATH=/root/vx:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/vllm_workloads.py \\
+        --model /root/qwen3r --workload shared-prefix long-context --repeat 2
+
+vLLM is imported from whatever is on PYTHONPATH (this file holds none of its code); written against
+vLLM 0.24's offline API, with the peers' settings (../shared/peers/vllm_bench.py): bf16, 90% of GPU
+memory, no tokenizer, seed 0, vLLM's defaults otherwise (prefix caching on, as in micro-vLLM). All
+the workloads named run in one engine, so its start-up is paid once; its max_model_len is the
+largest of theirs unless given. After a short warm-up request each workload's whole ``generate`` is
+timed ``--repeat`` times, each from an empty prefix cache, with the sampling of throughput.py
+(temperature 0.6, EOS ignored). Each run prints ``RESULT {json}`` with its output tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from workloads import WORKLOADS, make_workload
+
+TEMPERATURE = 0.6
+
+
+def result(record: dict) -> None:
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def engine_config(llm) -> dict:
+    """The settings vLLM chose, for the record; a missing attribute is reported, not fatal."""
+    try:
+        config = llm.llm_engine.vllm_config
+        return dict(max_num_seqs=config.scheduler_config.max_num_seqs,
+                    max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                    prefix_caching=config.cache_config.enable_prefix_caching,
+                    num_gpu_blocks=config.cache_config.num_gpu_blocks, block_size=config.cache_config.block_size)
+    except AttributeError as e:
+        return {"error": repr(e)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=["recipe"])
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs of each workload")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the largest of the workloads'")
+    args = parser.parse_args(argv)
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    workloads = {name: make_workload(name) for name in args.workload}
+    max_model_len = args.max_model_len or max(w.max_model_len for w in workloads.values())
+    start = time.perf_counter()
+    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=0.9,
+              skip_tokenizer_init=True, seed=0)
+    startup = time.perf_counter() - start
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}],
+                 [SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False)], use_tqdm=False)
+    result(dict(step="vllm_start", system=f"vLLM {vllm.__version__}", startup_s=round(startup, 1),
+                max_model_len=max_model_len, config=engine_config(llm)))
+
+    for name, workload in workloads.items():
+        inputs = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
+        params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n, detokenize=False)
+                  for n in workload.max_tokens]
+        for run in range(1, args.repeat + 1):
+            llm.reset_prefix_cache()  # a run's prompts must not be served by the run before
+            start = time.perf_counter()
+            outputs = llm.generate(inputs, params, use_tqdm=False)  # returns once every token is on the host
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            result(dict(step="vllm_workload", workload=name, run=run, requests=len(inputs), output_tokens=tokens,
+                        seconds=round(seconds, 3), tok_per_s=round(tokens / seconds, 1),
+                        cached_prompt_tokens=sum(o.num_cached_tokens or 0 for o in outputs)))
+
+
+if __name__ == "__main__":
+    main()

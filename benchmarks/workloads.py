@@ -1,0 +1,64 @@
+"""The throughput workloads, as prompt token ids and output lengths, for both engines.
+
+Pure Python on purpose: ``throughput.py`` runs them on micro-vLLM and ``vllm_workloads.py`` on vLLM,
+so the two engines get the very same requests. Every request ignores EOS, so the output tokens are
+exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,000 as in the recipe.
+
+- ``recipe``: nano-vllm's bench (../shared/benchmarks.md): 256 prompts of 100 to 1,024 random tokens,
+  then 100 to 1,024 output tokens each, drawn in that order after seeding with 0.
+- ``shared-prefix``: 256 requests that open with one 2,000-token system prompt, each followed by its
+  own suffix of 100 to 1,024 tokens and asking for 100 to 1,024 output tokens. Drawn after seeding
+  with 0: the system prompt, then the suffixes (each length, then its tokens), then the output
+  lengths. Prefix caching decides it: computed once, the system prompt is 62% of the prompt tokens.
+- ``long-context``: 32 prompts of 8,000 random tokens, 512 output tokens each: attention over long
+  contexts dominates, and the prompts take most of the KV cache.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+MAX_TOKEN_ID = 10_000
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    max_model_len: int  # fits the longest prompt plus its output
+
+
+def recipe(num_requests: int = 256, seed: int = 0) -> Workload:
+    rng = random.Random(seed)  # the same draws as nano-vllm's random.seed(seed)
+    prompts = [_tokens(rng, rng.randint(100, 1024)) for _ in range(num_requests)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(num_requests)]
+    return Workload(prompts, max_tokens, max_model_len=4096)
+
+
+def shared_prefix(num_requests: int = 256, prefix_len: int = 2000, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    system_prompt = _tokens(rng, prefix_len)
+    prompts = [system_prompt + _tokens(rng, rng.randint(100, 1024)) for _ in range(num_requests)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(num_requests)]
+    return Workload(prompts, max_tokens, max_model_len=prefix_len + 2048)
+
+
+def long_context(num_requests: int = 32, prompt_len: int = 8000, output_len: int = 512, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [_tokens(rng, prompt_len) for _ in range(num_requests)]
+    return Workload(prompts, [output_len] * num_requests, max_model_len=prompt_len + output_len)
+
+
+WORKLOADS = {"recipe": recipe, "shared-prefix": shared_prefix, "long-context": long_context}
+
+
+def make_workload(name: str, num_requests: int | None = None) -> Workload:
+    """The workload called ``name``, with its own number of requests unless one is given."""
+    if name not in WORKLOADS:
+        raise ValueError(f"workload={name!r} is not one of {sorted(WORKLOADS)}")
+    return WORKLOADS[name]() if num_requests is None else WORKLOADS[name](num_requests)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randint(0, MAX_TOKEN_ID) for _ in range(n)]
