@@ -9,7 +9,7 @@ exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,000 as in the recipe
 - ``shared-prefix``: 256 requests that open with one 2,000-token system prompt, each followed by its
   own suffix of 100 to 1,024 tokens and asking for 100 to 1,024 output tokens. Drawn after seeding
   with 0: the system prompt, then the suffixes (each length, then its tokens), then the output
-  lengths. Prefix caching decides it: computed once, the system prompt is 62% of the prompt tokens.
+  lengths. Prefix caching decides it: the system prompt is 78% of the prompt tokens.
 - ``long-context``: 32 prompts of 8,000 random tokens, 512 output tokens each: attention over long
   contexts dominates, and the prompts take most of the KV cache.
 """
