@@ -101,3 +101,27 @@ def test_a_tie_at_the_kth_logit_weighs_in_top_p_with_all_its_tokens(use_candidat
     logits[0, 20:70] = 0.0
     check(logits, [2], [0.5], use_candidates)
     assert reference_kept(logits, [2], [0.5]).sum() == 51
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_top_candidates_keep_what_sorted_rows_keep_at_the_benchmark_shape():
+    """On CUDA, 256 rows of bf16 logits (ties at every rank) over 151,936 tokens scaled by 1 / 0.6,
+    varied top-k and top-p: torch.topk's candidates keep the same tokens as whole sorted rows."""
+    torch.manual_seed(0)
+    logits = sampler_inputs("cuda")
+    top_k = torch.randint(1, 300, (256,), dtype=torch.int32, device="cuda")
+    top_p = torch.rand(256, device="cuda") * 0.98 + 0.01
+    top_k[::5], top_p[::5] = 0, 1.0  # rows without a filter
+    top_p[1::5] = 1.0  # top-k alone
+    bound = max_top_k(top_k.cpu().numpy(), top_p.cpu().numpy())
+    assert bound == int(top_k.max())
+    candidates = apply_top_k_top_p(logits, top_k, top_p, bound).isfinite()
+    assert torch.equal(candidates, apply_top_k_top_p(logits, top_k, top_p, None).isfinite())
+    assert candidates[::5].all() and (candidates[1::5].sum(dim=-1) >= top_k[1::5]).all()
+
+
+def sampler_inputs(device: str, num_rows: int = 256) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(num_rows, 151_936, generator=generator, device=device) * 3
+    return logits.to(torch.bfloat16).float() * (1 / 0.6)
