@@ -92,22 +92,27 @@ def _top_p_threshold(logits: torch.Tensor, candidates: torch.Tensor, top_k_thres
                      top_p: torch.Tensor) -> torch.Tensor:
     """The smallest logit of each row's top-p nucleus within its top-k set (-inf for rows with
     ``top_p`` 1). ``candidates`` [n, c] are the row's best logits in descending order, which hold
-    its nucleus: all of its top-k set but the tokens tied with the k-th, which the vocabulary is
-    counted for so that they weigh in the softmax."""
+    its nucleus: all of its top-k set but maybe some of the tokens tied with the k-th, which are
+    counted over the vocabulary.
+
+    A row's decision must not depend on how many candidates its batch took (a seeded request
+    draws the same tokens in any batch): every sum is a prefix sum over the row's own tokens above
+    its k-th logit, whose terms and order are the same whatever follows them, and the tie at the
+    k-th counts as a number of equal terms."""
     best = candidates[:, :1]
     weights = (candidates - best).exp()
     in_top_k = True
-    if top_k_threshold is not None:
+    if top_k_threshold is None:
+        cumulative = weights.cumsum(dim=-1)
+        total = cumulative[:, -1:]
+    else:
         in_top_k = candidates >= top_k_threshold
-        weights = weights.masked_fill(~in_top_k, 0.0)
-    total = weights.sum(dim=-1, keepdim=True)
-    if top_k_threshold is not None and candidates.shape[-1] < logits.shape[-1]:
-        tied_outside = (logits >= top_k_threshold).sum(dim=-1, keepdim=True) - in_top_k.sum(dim=-1, keepdim=True)
-        total = total + tied_outside * (top_k_threshold - best).exp()
-    probs = weights / total
-    mass_before = probs.cumsum(dim=-1) - probs
-    # The nucleus is the first candidates with at most top_p before them (the best always); the
-    # equals of its last one that follow it are kept with it by the threshold.
+        weights = weights.masked_fill(candidates <= top_k_threshold, 0.0)  # the tie at the k-th comes below
+        cumulative = weights.cumsum(dim=-1)
+        num_tied = (logits == top_k_threshold).sum(dim=-1, keepdim=True)
+        total = cumulative[:, -1:] + num_tied * (top_k_threshold - best).exp()
+    # A tie is kept or dropped as one: the threshold is the value of the last candidate kept.
+    mass_before = (cumulative - weights) / total
     num_kept = (in_top_k & (mass_before <= top_p.unsqueeze(-1))).sum(dim=-1, keepdim=True)
     threshold = candidates.gather(-1, (num_kept - 1).clamp(min=0))
     return threshold.masked_fill(top_p.unsqueeze(-1) >= 1, float("-inf"))
