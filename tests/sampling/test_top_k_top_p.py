@@ -70,6 +70,18 @@ def test_mixed_rows(use_candidates):
     check(logits, top_k, top_p, use_candidates)
 
 
+def test_a_row_keeps_the_same_tokens_alone_and_in_a_batch():
+    """Alone, a row's candidates are its own top-k; beside a row with a larger top-k or one with
+    top-p alone, more candidates or the whole sorted row: the same tokens each time."""
+    logits = tied_logits(3, 5)
+    top_k = torch.tensor([6, 40, 0], dtype=torch.int32)
+    top_p = torch.tensor([0.8, 0.9, 0.6])
+    alone = apply_top_k_top_p(logits[:1], top_k[:1], top_p[:1], 6)
+    for rows in (2, 3):
+        bound = max_top_k(top_k[:rows].numpy(), top_p[:rows].numpy())
+        assert torch.equal(apply_top_k_top_p(logits[:rows], top_k[:rows], top_p[:rows], bound)[0], alone[0])
+
+
 def test_max_top_k_is_the_largest_top_k_while_every_top_p_row_has_one():
     top_k = np.array([0, 4, 30], np.int32)
     assert max_top_k(top_k, np.array([1.0, 0.5, 1.0], np.float32)) == 30
@@ -107,7 +119,8 @@ def test_a_tie_at_the_kth_logit_weighs_in_top_p_with_all_its_tokens(use_candidat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_top_candidates_keep_what_sorted_rows_keep_at_the_benchmark_shape():
     """On CUDA, 256 rows of bf16 logits (ties at every rank) over 151,936 tokens scaled by 1 / 0.6,
-    varied top-k and top-p: torch.topk's candidates keep the same tokens as whole sorted rows."""
+    varied top-k and top-p: torch.topk's candidates, as many as the batch needs or more, keep the
+    same tokens as whole sorted rows."""
     torch.manual_seed(0)
     logits = sampler_inputs("cuda")
     top_k = torch.randint(1, 300, (256,), dtype=torch.int32, device="cuda")
@@ -117,7 +130,9 @@ def test_top_candidates_keep_what_sorted_rows_keep_at_the_benchmark_shape():
     bound = max_top_k(top_k.cpu().numpy(), top_p.cpu().numpy())
     assert bound == int(top_k.max())
     candidates = apply_top_k_top_p(logits, top_k, top_p, bound).isfinite()
-    assert torch.equal(candidates, apply_top_k_top_p(logits, top_k, top_p, None).isfinite())
+    # Whatever the number of candidates (another row's larger top-k), the same tokens.
+    for other_bound in (2000, None):
+        assert torch.equal(candidates, apply_top_k_top_p(logits, top_k, top_p, other_bound).isfinite())
     assert candidates[::5].all() and (candidates[1::5].sum(dim=-1) >= top_k[1::5]).all()
 
 
