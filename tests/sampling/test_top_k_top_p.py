@@ -45,7 +45,9 @@ def check(logits, top_k: list[int], top_p: list[float], use_candidates: bool) ->
 @pytest.mark.parametrize("top_p", [0.9, 0.5, 1e-6, 1.0])
 @pytest.mark.parametrize("top_k", [1, 5, 17, VOCAB, VOCAB + 50])
 def test_every_row_with_top_k(top_k, top_p, use_candidates):
-    for seed, logits in enumerate([tied_logits(6, 0), torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))]):
+    """Tied logits (a tie at every rank), and untied ones."""
+    untied = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
+    for logits in (tied_logits(6, 0), untied):
         check(logits, [top_k] * 6, [top_p] * 6, use_candidates)
 
 
