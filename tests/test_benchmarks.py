@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from micro_vllm import LLM, SamplingParams
+from micro_vllm.sampling import sampler as sampler_module
 from micro_vllm.worker.model_runner import DeviceStepOutput
 from helpers.tiny_models import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cpu  # noqa: E402
+import sampler_bench  # noqa: E402
 import scheduler_bench  # noqa: E402
 import throughput  # noqa: E402
 
@@ -294,3 +296,17 @@ def test_vllm_workloads_runs_each_workload_from_an_empty_prefix_cache(monkeypatc
     runs = [(r["workload"], r["run"], r["output_tokens"]) for r in results[1:]]
     assert runs == [("long-context", 1, 32 * 512), ("long-context", 2, 32 * 512),
                     ("recipe", 1, sum(recipe.max_tokens)), ("recipe", 2, sum(recipe.max_tokens))]
+
+
+def test_sampler_bench_times_every_case_on_cpu(capsys):
+    """The smoke run times each case before and after; its "before" masks the same tokens as the
+    engine's top-k / top-p on untied logits, so the two time the same filter."""
+    results = sampler_bench.main(["--device", "cpu", "--rows", "8", "--vocab", "4096", "--iters", "1"])
+    assert [r["case"] for r in results] == list(sampler_bench.CASES)
+    assert all(r["before_ms"] > 0 and r["after_ms"] > 0 for r in results)
+    assert "top_k=50 top_p=0.9" in capsys.readouterr().out
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0))
+    top_k, top_p = torch.tensor([0, 5, 50, 50], dtype=torch.int32), torch.tensor([1.0, 0.9, 0.9, 0.3])
+    before = sampler_bench.sorted_top_k_top_p(logits, top_k, top_p)
+    after = sampler_module.apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(before.isfinite(), after.isfinite())

@@ -194,3 +194,26 @@ def test_preempted_after_its_last_prompt_chunk_before_its_first_token(model_dir,
             outputs += engine.step()
     assert len(outputs) == 1 and request.num_preemptions == 1
     check_output(outputs[0], reference, params)
+
+
+
+def test_each_token_is_decoded_once_per_engine(model_dir, reference, monkeypatch):
+    """The texts of the logprobs' tokens are decoded the first time the engine meets each token: a
+    second request over the same prompt decodes none. The cumulative logprob adds the sampled
+    tokens' logprobs one after the other."""
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=4, prompt_logprobs=2, ignore_eos=True)
+    with make_llm(model_dir) as llm:
+        tokenizer, decoded = llm.engine.output_processor.tokenizer, []
+        batch_decode = tokenizer.batch_decode
+        monkeypatch.setattr(tokenizer, "batch_decode", lambda ids, **kwargs: decoded.extend(ids) or batch_decode(ids))
+        first = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+        num_decoded = len(decoded)
+        assert num_decoded > 0 and len({tuple(ids) for ids in decoded}) == num_decoded
+        second = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert len(decoded) == num_decoded
+    assert (second.outputs[0].logprobs, second.prompt_logprobs) == (first.outputs[0].logprobs, first.prompt_logprobs)
+    check_output(first, reference, params)
+    completion, total = first.outputs[0], 0.0
+    for token_id, position in zip(completion.token_ids, completion.logprobs):
+        total += position[token_id].logprob
+    assert completion.cumulative_logprob == total

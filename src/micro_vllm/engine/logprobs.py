@@ -7,7 +7,8 @@ The own token's rank is its rank in the whole vocabulary; the top tokens are ran
 that is both keeps the top list's rank (one entry), so a position has ``logprobs`` or
 ``logprobs + 1`` entries.
 ``decoded_token`` is the token decoded on its own (as vLLM's ``convert_ids_list_to_tokens``), or None
-with ``detokenize=False`` or no tokenizer. ``cumulative_logprob`` sums the sampled tokens' logprobs.
+with ``detokenize=False`` or no tokenizer: each token id once per engine, in ``token_texts``, which
+the output processor shares between its requests. ``cumulative_logprob`` sums the sampled tokens' logprobs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from micro_vllm.sampling.params import SamplingParams
 
 
 class LogprobsProcessor:
-    def __init__(self, tokenizer, params: SamplingParams) -> None:
+    def __init__(self, tokenizer, params: SamplingParams, token_texts: dict[int, str]) -> None:
         self.tokenizer = tokenizer if params.detokenize else None
+        self.token_texts = token_texts
         self.num_logprobs = params.logprobs
         self.num_prompt_logprobs = params.prompt_logprobs
         self.logprobs: SampleLogprobs | None = None if params.logprobs is None else []
@@ -30,7 +32,8 @@ class LogprobsProcessor:
     def update_from_output(self, logprobs: LogprobsLists | None, prompt_logprobs: LogprobsLists | None) -> None:
         """Add a step's rows: of the sampled tokens, and of the whole prompt (which comes in one step)."""
         if logprobs is not None:
-            self.cumulative_logprob += sum(row[0] for row in logprobs.logprobs)
+            for row in logprobs.logprobs:
+                self.cumulative_logprob += row[0]
             self._append(self.logprobs, logprobs, self.num_logprobs)
         if prompt_logprobs is not None:
             self._append(self.prompt_logprobs, prompt_logprobs, self.num_prompt_logprobs)
@@ -43,15 +46,19 @@ class LogprobsProcessor:
         return prompt_logprobs
 
     def _append(self, positions: list, rows: LogprobsLists, num_logprobs: int) -> None:
-        for token_ids, logprobs, rank in zip(*rows):
-            count = len(token_ids) if num_logprobs == -1 else 1 + num_logprobs
-            token_ids = token_ids[:count]
-            ranks = [rank, *range(1, count)]
-            texts = self._decode(token_ids)
-            positions.append({token_id: Logprob(logprob, rank, text)
-                              for token_id, logprob, rank, text in zip(token_ids, logprobs, ranks, texts)})
+        count = None if num_logprobs == -1 else 1 + num_logprobs
+        token_ids = [ids[:count] for ids in rows.logprob_token_ids]
+        texts = self._texts(token_ids)
+        for ids, logprobs, own_rank in zip(token_ids, rows.logprobs, rows.ranks):
+            positions.append({token_id: Logprob(logprob, rank, texts.get(token_id))
+                              for token_id, logprob, rank in zip(ids, logprobs, (own_rank, *range(1, len(ids))))})
 
-    def _decode(self, token_ids: list[int]) -> list[str | None]:
+    def _texts(self, token_ids: list[list[int]]) -> dict[int, str]:
+        """The text of each token of ``token_ids`` by id: decoded the first time the engine meets it
+        (empty with ``detokenize=False`` or no tokenizer)."""
         if self.tokenizer is None:
-            return [None] * len(token_ids)
-        return self.tokenizer.batch_decode([[token_id] for token_id in token_ids])
+            return {}
+        new = list({token_id for ids in token_ids for token_id in ids}.difference(self.token_texts))
+        if new:
+            self.token_texts.update(zip(new, self.tokenizer.batch_decode([[token_id] for token_id in new])))
+        return self.token_texts

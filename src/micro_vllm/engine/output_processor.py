@@ -30,7 +30,8 @@ class RequestState:
     step) and how much of it the DELTA outputs have given out. ``index`` is its sequence's index
     among its parent's (0 without a parent)."""
 
-    def __init__(self, request: Request, prompt: str | None, tokenizer, index: int = 0) -> None:
+    def __init__(self, request: Request, prompt: str | None, tokenizer, token_texts: dict[int, str],
+                 index: int = 0) -> None:
         params = request.sampling_params
         self.request = request
         self.index = index
@@ -47,7 +48,7 @@ class RequestState:
         self.num_sent_tokens = 0  # output tokens the DELTA outputs have given out
         self.logprobs_processor: LogprobsProcessor | None = None
         if params.logprobs is not None or params.prompt_logprobs is not None:
-            self.logprobs_processor = LogprobsProcessor(tokenizer, params)
+            self.logprobs_processor = LogprobsProcessor(tokenizer, params, token_texts)
 
     def update(self) -> str | None:
         """Feed the detokenizer the request's new tokens; return the stop string it found, if any."""
@@ -101,6 +102,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_texts: dict[int, str] = {}  # token id -> its text alone, for the logprobs (LogprobsProcessor)
         self.states: dict[str, RequestState] = {}
         self.detokenized: dict[str, RequestState] = {}  # the states updated at every step
         self.parent_requests: dict[str, ParentRequest] = {}  # by the parent's id, until all its children finish
@@ -109,7 +111,7 @@ class OutputProcessor:
     def add_request(self, request: Request, prompt: str | None, parent_req: ParentRequest | None = None,
                     index: int = 0) -> None:
         """Track ``request``; a child of ``parent_req`` makes sequence ``index`` of its parent's outputs."""
-        state = RequestState(request, prompt, self.tokenizer, index)
+        state = RequestState(request, prompt, self.tokenizer, self.token_texts, index)
         self.states[request.request_id] = state
         if state.detokenizer is not None:
             self.detokenized[request.request_id] = state

@@ -3,7 +3,8 @@
 A batch whose requests use vLLM's logits processors (penalties, bad words, ...) has them applied
 first (``logits_processors.py``), so the greedy argmax and both routes see the processed logits.
 Greedy rows take the argmax. Random rows are scaled by temperature, filtered by min-p and top-k /
-top-p, and drawn with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no
+top-p (a threshold per row, from the row's top candidates: no sort of the vocabulary unless a row
+uses top-p without top-k), and drawn with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no
 cumulative sums and lets each seeded row draw its noise from its own generator, so its tokens do not
 depend on the batch. A Sampler built with ``use_triton`` draws every batch that samples with the
 Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then
@@ -42,6 +43,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     logits_processors: LogitsProcessorsMetadata | None = None  # None when no row uses one
     min_p: torch.Tensor | None = None  # float32 [n], 0 = off; None when no row uses it
+    # How many of each row's best logits top-k / top-p need to see (``max_top_k``); None: whole rows.
+    max_top_k: int | None = None
 
 
 @dataclass
@@ -50,18 +53,69 @@ class SamplerOutput:
     logprobs_tensors: LogprobsTensors | None  # when a row asked: its sampled token's and the top max_num_logprobs
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+def max_top_k(top_k: np.ndarray, top_p: np.ndarray) -> int | None:
+    """How many top candidates hold every kept set of the rows with these settings (host arrays):
+    the largest ``top_k`` when every row that uses top-p also uses top-k; None when a row's top-p
+    nucleus may reach anywhere in the vocabulary (its row must be sorted whole)."""
+    if not top_k.any() or not top_k[top_p < 1].all():
+        return None
+    return int(top_k.max())
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      max_top_k: int | None = None) -> torch.Tensor:
+    """Mask everything outside each row's top-k and then its top-p nucleus with -inf.
+
+    Top-k keeps the tokens at least as large as the row's k-th largest logit (all of a tie). Top-p
+    then keeps a token when the probability of the tokens strictly above it (within the top-k set)
+    is at most ``top_p``: the smallest set of best tokens whose mass reaches ``top_p``, with all of
+    a tie. Both come down to one threshold per row, found among the row's best candidates in
+    descending order: the top ``max_top_k`` (``torch.topk`` selects them without sorting the
+    vocabulary) when every top-p row also has a top-k (``max_top_k`` above), else the whole sorted
+    row. ``top_k`` 0 and ``top_p`` 1 turn a row's filter off."""
+    vocab_size = logits.shape[-1]
+    if max_top_k is None:
+        candidates = logits.sort(dim=-1, descending=True).values
+    else:
+        candidates = logits.topk(min(max_top_k, vocab_size), dim=-1).values
+    threshold = torch.full_like(candidates[:, :1], float("-inf"))
     if top_k is not None:
-        rank = torch.arange(logits.shape[-1], device=logits.device)
-        k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(-1)
-        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
+        threshold = torch.where(top_k.unsqueeze(-1) > 0, candidates.gather(-1, k - 1), threshold)
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # the top token always stays
-        sorted_logits = sorted_logits.masked_fill(mass_before > top_p.unsqueeze(-1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        top_k_threshold = None if top_k is None else threshold
+        threshold = torch.maximum(threshold, _top_p_threshold(logits, candidates, top_k_threshold, top_p))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _top_p_threshold(logits: torch.Tensor, candidates: torch.Tensor, top_k_threshold: torch.Tensor | None,
+                     top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest logit of each row's top-p nucleus within its top-k set (-inf for rows with
+    ``top_p`` 1). ``candidates`` [n, c] are the row's best logits in descending order, which hold
+    its nucleus: all of its top-k set but maybe some of the tokens tied with the k-th, which are
+    counted over the vocabulary.
+
+    A row's decision must not depend on how many candidates its batch took (a seeded request
+    draws the same tokens in any batch): every sum is a prefix sum over the row's own tokens above
+    its k-th logit, whose terms and order are the same whatever follows them, and the tie at the
+    k-th counts as a number of equal terms."""
+    best = candidates[:, :1]
+    weights = (candidates - best).exp()
+    in_top_k = True
+    if top_k_threshold is None:
+        cumulative = weights.cumsum(dim=-1)
+        total = cumulative[:, -1:]
+    else:
+        in_top_k = candidates >= top_k_threshold
+        weights = weights.masked_fill(candidates <= top_k_threshold, 0.0)  # the tie at the k-th comes below
+        cumulative = weights.cumsum(dim=-1)
+        num_tied = (logits == top_k_threshold).sum(dim=-1, keepdim=True)
+        total = cumulative[:, -1:] + num_tied * (top_k_threshold - best).exp()
+    # A tie is kept or dropped as one: the threshold is the value of the last candidate kept.
+    mass_before = (cumulative - weights) / total
+    num_kept = (in_top_k & (mass_before <= top_p.unsqueeze(-1))).sum(dim=-1, keepdim=True)
+    threshold = candidates.gather(-1, (num_kept - 1).clamp(min=0))
+    return threshold.masked_fill(top_p.unsqueeze(-1) >= 1, float("-inf"))
 
 
 class Sampler:
@@ -119,7 +173,7 @@ class Sampler:
         if metadata.min_p is not None:
             scaled = apply_min_p(scaled, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p, metadata.max_top_k)
         if metadata.seeds is not None:
             # Already scaled: temperature 1 keeps a row's scores, and so its draw, those of the
             # unfiltered path above (a greedy row's argmax survives any filter).

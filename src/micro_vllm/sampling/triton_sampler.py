@@ -17,8 +17,8 @@ chunk, 1 + i for token i), so a row's draw depends only on its seed and logits: 
 the seed from the request's seed and output position, which keeps seeded requests independent of
 the batch.
 
-Top-k / top-p need a sort: the Sampler masks the scaled logits in PyTorch (``-inf`` tokens are never
-drawn) and passes them here with temperature 1. Both sides scale by the correctly rounded ``1 / T``,
+Top-k / top-p are not done here: the Sampler masks the scaled logits in PyTorch (``-inf`` tokens are
+never drawn) and passes them here with temperature 1. Both sides scale by the correctly rounded ``1 / T``,
 so both routes give a row the same scores and the same draw.
 """
 

@@ -24,7 +24,7 @@ from micro_vllm.core.scheduler_output import SchedulerOutput
 from micro_vllm.model_loader.checkpoint import load_model
 from micro_vllm.outputs import AsyncModelRunnerOutput, LogprobsLists, ModelRunnerOutput
 from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
-from micro_vllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
+from micro_vllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, max_top_k
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, copy_to_host
 from micro_vllm.worker.cuda_graphs import CudaGraphs, cuda_graph_sizes, pad_decode_batch
 from micro_vllm.worker.dummy_run import warm_up
@@ -392,6 +392,7 @@ class ModelRunner:
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
             max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
+            max_top_k=max_top_k(top_k, top_p),
         )
         if (np.take(batch.min_p, rows, out=self.min_p.np[:n]) > 0).any():
             metadata.min_p = self.min_p.copy_to_device(n)
