@@ -36,12 +36,16 @@ def profile_run(runner: ModelRunner) -> None:
 def warm_up(runner: ModelRunner) -> None:
     """Compile the kernels eager steps use before the first request, not in the middle of serving:
     the largest step the scheduler can plan (as the profile run: one prompt as long as a request can
-    be, the whole token budget), and one of short prompt chunks. Decode steps are compiled when their
-    graphs are captured. The largest step also leaves the allocator holding blocks of a full step's
-    activation sizes, so the first long prefill steps do not wait for the allocator."""
+    be, the whole token budget), one lone prompt chunk as long as the budget allows, and one of short
+    prompt chunks. The lone chunk takes the attention's prefill tiles even when the largest step
+    has none (a budget no larger than ``max_num_seqs`` gives every request one token); the short
+    chunks take its decode tiles. Decode steps are compiled when their graphs are captured. The
+    largest step also leaves the allocator holding blocks of a full step's activation sizes, so the
+    first long prefill steps do not wait for the allocator."""
     settings = runner.settings
     dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
                                           settings.max_model_len))
+    dummy_step(runner, np.array([min(settings.max_num_batched_tokens, settings.max_model_len)], np.int32))
     dummy_step(runner, np.full(min(settings.max_num_seqs, settings.max_num_batched_tokens // 2, 8), 2, np.int32))
 
 
