@@ -158,11 +158,16 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
         are computed by the step planned last, which confirms them."""
-        if self.enable_caching:
-            for manager in self.managers:
-                hashed = manager.cache_blocks(request, num_computed_tokens)
-                if hashed and self.unconfirmed:
-                    self.unconfirmed[-1].extend((block, block.block_hash) for block in hashed)
+        if not self.enable_caching:
+            return
+        # Every group has hashed the same leading blocks: when the first has hashed every block
+        # that ``num_computed_tokens`` fills, so has every group (most steps of a decode).
+        if num_computed_tokens // self.block_size <= self.managers[0].num_cached_blocks.get(request.request_id, 0):
+            return
+        for manager in self.managers:
+            hashed = manager.cache_blocks(request, num_computed_tokens)
+            if hashed and self.unconfirmed:
+                self.unconfirmed[-1].extend((block, block.block_hash) for block in hashed)
 
     def start_step(self) -> None:
         """A step is being planned: record the hashes it registers until its output is applied."""
