@@ -42,9 +42,6 @@ class CachedRequestData:
     new_block_ids: tuple[BlockIds | None, ...]  # None: no new block (most decodes)
     num_computed_tokens: tuple[int, ...]
 
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
 
 @dataclass(frozen=True)
 class SchedulerOutput:
