@@ -23,11 +23,14 @@ import throughput  # noqa: E402
 
 
 @pytest.mark.parametrize("enable_caching", [True, False])
-def test_scheduler_bench_runs_a_workload_to_the_end(enable_caching):
+def test_scheduler_bench_runs_a_workload_to_the_end(enable_caching, tmp_path):
     workload = [(list(range(1 + i, 40 + 7 * i)), 5 + i) for i in range(12)]
-    times = scheduler_bench.run_once(workload, enable_caching)
-    assert len(times.update_ns) >= max(n for _, n in workload)  # a step per token of the longest
-    assert times.num_scheduled_requests >= sum(n for _, n in workload)
+    times = scheduler_bench.run_once(workload, enable_caching, make_tiny_model("qwen3", tmp_path))
+    num_steps = len(times.schedule_ns)
+    assert num_steps >= max(n for _, n in workload)  # a step per token of the longest
+    assert len(times.prepare_ns) == len(times.update_ns) == num_steps
+    assert times.prefill[0] and not times.full_decode[0]
+    assert any(times.full_decode) and not any(p and d for p, d in zip(times.prefill, times.full_decode))
 
 
 def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):

@@ -34,7 +34,9 @@ def test_decodes_and_prefill_chunks_share_a_step():
     plan = scheduler.schedule()
     assert dict(plan.num_scheduled_tokens) == {first.request_id: 1, second.request_id: 9}
     assert [r.req_id for r in plan.scheduled_new_reqs] == [second.request_id]
-    assert [r.req_id for r in plan.scheduled_cached_reqs] == [first.request_id]
+    assert plan.scheduled_cached_reqs.req_ids == (first.request_id,)
+    assert plan.scheduled_cached_reqs.num_computed_tokens == (6,)
+    assert plan.scheduled_cached_reqs.new_block_ids == (None,)  # its 7th token fits its second block
 
 
 def test_max_num_seqs_limits_running_requests():
@@ -189,8 +191,7 @@ def test_request_arriving_mid_prefill_hits_the_first_chunk():
     scheduler.add_request(second)
     plan = step(scheduler)
     assert dict(plan.num_scheduled_tokens) == {first.request_id: 8, second.request_id: 4}
-    [cached] = plan.scheduled_cached_reqs
-    assert cached.new_block_ids == ((4, 5),)
+    assert plan.scheduled_cached_reqs.new_block_ids == (((4, 5),),)
     [new] = plan.scheduled_new_reqs
     assert new.block_ids == ((1, 2, 3, 6),) and new.num_computed_tokens == 12
     assert second.num_cached_tokens == 12
@@ -221,7 +222,7 @@ def test_preemption_takes_the_latest_request_and_resumes_it_first():
     plan = step(scheduler)  # first's 9th token needs a third block: the latest admitted request gives its two back
     assert plan.preempted_req_ids == {second.request_id}
     assert dict(plan.num_scheduled_tokens) == {first.request_id: 1}
-    assert plan.scheduled_cached_reqs[0].new_block_ids == ((4,),)  # second's tail block, freed first
+    assert plan.scheduled_cached_reqs.new_block_ids == (((4,),),)  # second's tail block, freed first
     assert [r.request_id for r in scheduler.waiting] == [second.request_id, late.request_id]
     assert second.num_preemptions == 1 and second.num_computed_tokens == 0
     assert second.num_output_tokens == 3  # kept, and recomputed with the prompt

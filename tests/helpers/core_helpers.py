@@ -260,7 +260,9 @@ class FakeRunner:
         assert all(n >= 1 for n in counts.values())
         assert len(scheduler.running) <= scheduler.config.max_num_seqs
         new_ids = [r.req_id for r in plan.scheduled_new_reqs]
-        cached_ids = [r.req_id for r in plan.scheduled_cached_reqs]
+        cached = plan.scheduled_cached_reqs
+        cached_ids = list(cached.req_ids)
+        assert len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached_ids)
         assert sorted(new_ids + cached_ids) == sorted(counts), "the plan's parts disagree"
         assert not plan.preempted_req_ids & set(counts), "a preempted request is scheduled"
         assert all(scheduler.requests[r].status == RequestStatus.PREEMPTED for r in plan.preempted_req_ids)
@@ -272,8 +274,8 @@ class FakeRunner:
             assert new.num_computed_tokens % self.block_size == 0, "a prefix hit is not whole blocks"
             # The last-token rule: a hit never covers the last token, whose logits are needed.
             assert new.num_computed_tokens < len(new.token_ids)
-        for cached in plan.scheduled_cached_reqs:
-            assert cached.num_computed_tokens + counts[cached.req_id] == scheduler.requests[cached.req_id].num_computed_tokens
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            assert num_computed + counts[req_id] == scheduler.requests[req_id].num_computed_tokens
         for req_id in counts:
             request = scheduler.requests[req_id]
             assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
@@ -289,11 +291,15 @@ class FakeRunner:
             self.tokens[new.req_id] = list(new.token_ids)
             self.prefix_ids[new.req_id] = []
             self.num_computed[new.req_id] = new.num_computed_tokens
-        for cached in plan.scheduled_cached_reqs:
-            assert cached.req_id in self.tables, "a delta for a request the runner does not hold"
-            assert cached.num_computed_tokens == self.num_computed[cached.req_id]
-            for table, ids in zip(self.tables[cached.req_id], cached.new_block_ids):
-                table.extend(ids)
+        cached = plan.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                       cached.num_computed_tokens):
+            assert req_id in self.tables, "a delta for a request the runner does not hold"
+            assert num_computed == self.num_computed[req_id]
+            if new_block_ids is not None:
+                assert all(new_block_ids), "a group without new blocks"
+                for table, ids in zip(self.tables[req_id], new_block_ids):
+                    table.extend(ids)
         kv = self.scheduler.kv_cache_manager
         for req_id in plan.num_scheduled_tokens:
             # The scheduler lags behind by the tokens still in flight.

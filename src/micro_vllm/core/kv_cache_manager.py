@@ -60,7 +60,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, block_listener)
         self.managers = [make_manager(g.spec, self.block_pool, block_size, i) for i, g in enumerate(groups)]
         self._no_hit: BlocksPerGroup = [[] for _ in groups]  # read only
-        self._no_block_ids: BlockIds = ((),) * len(groups)
+        self._no_new_blocks: BlocksPerGroup = [[] for _ in groups]  # read only
+        # Without a sliding window no block is ever released before the request ends.
+        self._full_attention_only = all(g.spec.sliding_window is None for g in groups)
         # Per planned step whose output is not applied yet, oldest first: the blocks it hashed, with
         # their hash.
         self.unconfirmed: deque[list[tuple[KVCacheBlock, tuple[bytes, int]]]] = deque()
@@ -131,6 +133,12 @@ class KVCacheManager:
         when the pool cannot hold them; nothing changes then but the sliding windows' cleanup."""
         request_id = request.request_id
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if new_computed_blocks is None and self._full_attention_only:
+            # Every group's table covers the same tokens: when the first's has room, no group needs
+            # a block (most decode steps).
+            if num_tokens <= len(self.managers[0].req_to_blocks[request_id]) * self.block_size:
+                self.cache_blocks(request, num_tokens)
+                return self._no_new_blocks
         hit = new_computed_blocks or self._no_hit
         needed = 0
         for manager, blocks in zip(self.managers, hit):
@@ -150,11 +158,16 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
         are computed by the step planned last, which confirms them."""
-        if self.enable_caching:
-            for manager in self.managers:
-                hashed = manager.cache_blocks(request, num_computed_tokens)
-                if hashed and self.unconfirmed:
-                    self.unconfirmed[-1].extend((block, block.block_hash) for block in hashed)
+        if not self.enable_caching:
+            return
+        # Every group has hashed the same leading blocks: when the first has hashed every block
+        # that ``num_computed_tokens`` fills, so has every group (most steps of a decode).
+        if num_computed_tokens // self.block_size <= self.managers[0].num_cached_blocks.get(request.request_id, 0):
+            return
+        for manager in self.managers:
+            hashed = manager.cache_blocks(request, num_computed_tokens)
+            if hashed and self.unconfirmed:
+                self.unconfirmed[-1].extend((block, block.block_hash) for block in hashed)
 
     def start_step(self) -> None:
         """A step is being planned: record the hashes it registers until its output is applied."""
@@ -181,10 +194,10 @@ class KVCacheManager:
         self.unconfirmed.clear()
         self.block_pool.free_all()
 
-    def to_block_ids(self, blocks_per_group: BlocksPerGroup) -> BlockIds:
-        """The ids of ``allocate_slots``' new blocks, as the plan carries them."""
-        if not any(blocks_per_group):  # most steps of most requests: no new block
-            return self._no_block_ids
+    def to_block_ids(self, blocks_per_group: BlocksPerGroup) -> BlockIds | None:
+        """The ids of ``allocate_slots``' new blocks, as the plan carries them; None for none."""
+        if blocks_per_group is self._no_new_blocks or not any(blocks_per_group):
+            return None
         return tuple(tuple(b.block_id for b in blocks) for blocks in blocks_per_group)
 
     def free(self, request: Request) -> None:

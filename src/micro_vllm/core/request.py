@@ -55,11 +55,17 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Kept as fields, not computed from the lists: the scheduler reads them for every request
+        # at every step.
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = len(self.all_token_ids)  # prompt plus output so far
         self.num_computed_tokens = 0  # advanced when a step is scheduled, not when it returns
         self.num_output_placeholders = 0  # sampled in a step still in flight
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.max_chunk_tokens = 0  # the most tokens one step may compute: set on admission (check_fits)
+        # The prompt plus max_tokens, capped by max_model_len: a request stops there (set on admission).
+        self.max_num_tokens = 0
         self.block_hashes: list[bytes] = []  # one per full block, filled by the KV cache manager
         # Another request with the same prompt (the first sequence of a parallel-sampling request):
         # the scheduler admits this one once that one's prompt is planned, to reuse its blocks.
@@ -67,14 +73,6 @@ class Request:
         # The structured-output matcher, set by the engine when it makes the request; it has accepted
         # exactly the output tokens, so a preempted request's recomputation leaves it as it is.
         self.grammar: StructuredOutputGrammar | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -94,6 +92,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def __repr__(self) -> str:
         return (

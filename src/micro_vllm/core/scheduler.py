@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from micro_vllm.config import SchedulerConfig
 from micro_vllm.core.kv_cache_manager import KVCacheManager
 from micro_vllm.core.request import Request, RequestStatus
-from micro_vllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from micro_vllm.core.scheduler_output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from micro_vllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from micro_vllm.outputs import ModelRunnerOutput
 
@@ -60,7 +60,7 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate: "
                 f"max_model_len={self.max_model_len} allows prompts of at most {self.max_model_len - 1} tokens"
             )
-        limit = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+        limit = self._max_num_tokens(request)
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
         max_chunk = kv.max_chunk_that_fits(limit, budget)
@@ -76,6 +76,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         request.max_chunk_tokens = self.check_fits(request)
+        request.max_num_tokens = self._max_num_tokens(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -126,7 +127,8 @@ class Scheduler:
             self._schedule_waiting(step)
         plan = SchedulerOutput(
             scheduled_new_reqs=tuple(step.new_reqs),
-            scheduled_cached_reqs=tuple(step.cached_reqs),
+            scheduled_cached_reqs=CachedRequestData(tuple(step.cached_req_ids), tuple(step.cached_new_block_ids),
+                                                    tuple(step.cached_num_computed_tokens)),
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=step.num_tokens,
             finished_req_ids=frozenset(self.finished_req_ids),
@@ -170,27 +172,27 @@ class Scheduler:
         """Give each running request, oldest first, what it still needs; preempt from the newest
         end when the pool runs dry."""
         kv = self.kv_cache_manager
+        running = self.running
         index = 0
-        while index < len(self.running) and step.budget > 0:
-            request = self.running[index]
-            if self._final_token_pending(request):
-                index += 1
+        while index < len(running) and step.budget > 0:
+            request = running[index]
+            index += 1
+            num_known = request.num_tokens + request.num_output_placeholders
+            if num_known >= request.max_num_tokens:  # a step in flight samples its last allowed token
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                          step.budget, request.max_chunk_tokens)
+            num_new = min(num_known - request.num_computed_tokens, step.budget, request.max_chunk_tokens)
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 step.preempted.append(victim)
                 if victim is request:
                     return
                 new_blocks = kv.allocate_slots(request, num_new)
-            step.cached_reqs.append(
-                CachedRequestData(request.request_id, kv.to_block_ids(new_blocks), request.num_computed_tokens)
-            )
+            step.cached_req_ids.append(request.request_id)
+            step.cached_new_block_ids.append(kv.to_block_ids(new_blocks))
+            step.cached_num_computed_tokens.append(request.num_computed_tokens)
             step.add(request, num_new)
-            index += 1
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         """Admit waiting requests in arrival order while the budgets and the pool allow."""
@@ -235,11 +237,13 @@ class Scheduler:
 
         With async scheduling a later step may already be planned: a request that stops here was
         planned once more, and that step's token for it is dropped (it is gone from ``requests``)."""
+        kv = self.kv_cache_manager
         if output.req_ids:  # an empty plan has nothing to confirm
-            self.kv_cache_manager.confirm_step()
+            kv.confirm_step()
+        requests = self.requests
         finished = []
         for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
-            request = self.requests.get(request_id)
+            request = requests.get(request_id)
             if request is None or not token_ids:  # finished or aborted meanwhile, or a middle prompt chunk
                 continue
             request.num_output_placeholders -= 1
@@ -247,8 +251,8 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
                 raise RuntimeError(f"request {request_id!r} sampled token {token_ids[0]}, which its grammar forbids")
             if request.num_computed_tokens == request.num_tokens:  # a later step computed it already
-                self.kv_cache_manager.cache_blocks(request, request.num_tokens)
-            preempted = request.status == RequestStatus.PREEMPTED  # while its last token was in flight
+                kv.cache_blocks(request, request.num_tokens)
+            preempted = request.status is RequestStatus.PREEMPTED  # while its last token was in flight
             if self._check_stop(request):
                 finished.append(request)
                 if preempted:
@@ -263,11 +267,9 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _final_token_pending(self, request: Request) -> bool:
-        """Whether a step in flight already samples this request's last allowed token."""
-        num_tokens = request.num_tokens + request.num_output_placeholders
-        return (request.num_output_tokens + request.num_output_placeholders >= request.sampling_params.max_tokens
-                or num_tokens >= self.max_model_len)
+    def _max_num_tokens(self, request: Request) -> int:
+        """Where the request stops at the latest: its prompt plus ``max_tokens``, within ``max_model_len``."""
+        return min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
 
     def _leader_computes_prompt(self, request: Request) -> bool:
         """Whether the request computing the same prompt (``Request.prompt_leader``) has not planned
@@ -295,7 +297,7 @@ class Scheduler:
         if request.grammar is not None and request.grammar.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED
             return True
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.num_tokens >= request.max_num_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
@@ -321,7 +323,10 @@ class _StepBuilder:
         self.num_tokens = 0  # tokens scheduled
         self.num_scheduled: dict[str, int] = {}
         self.new_reqs: list[NewRequestData] = []
-        self.cached_reqs: list[CachedRequestData] = []
+        # The requests the runner holds, as the plan's CachedRequestData lists them.
+        self.cached_req_ids: list[str] = []
+        self.cached_new_block_ids: list[BlockIds | None] = []
+        self.cached_num_computed_tokens: list[int] = []
         self.preempted: list[Request] = []
         self.decode_req_ids: list[str] = []
         self.structured_output_requests: list[Request] = []  # those that sample under a grammar

@@ -35,17 +35,18 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A request the runner already holds: its new blocks and how far it has been computed."""
+    """The requests the runner already holds, as parallel lists (vLLM's layout: no object per
+    request): their new blocks and how far each has been computed before the step."""
 
-    req_id: str
-    new_block_ids: BlockIds
-    num_computed_tokens: int
+    req_ids: tuple[str, ...]
+    new_block_ids: tuple[BlockIds | None, ...]  # None: no new block (most decodes)
+    num_computed_tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     scheduled_new_reqs: tuple[NewRequestData, ...]
-    scheduled_cached_reqs: tuple[CachedRequestData, ...]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: Mapping[str, int]  # request id -> tokens to compute, in batch order
     total_num_scheduled_tokens: int
     finished_req_ids: frozenset[str]  # finished or aborted since the last plan: the runner drops them

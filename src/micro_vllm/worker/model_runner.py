@@ -77,14 +77,18 @@ class DeviceStepOutput(AsyncModelRunnerOutput):
             self.ready.record()
 
     def get_output(self) -> ModelRunnerOutput:
-        tokens: list[list[int]] = [[] for _ in self.req_ids]
         if self.sampled is None:
-            return ModelRunnerOutput(self.req_ids, tokens)
+            return ModelRunnerOutput(self.req_ids, [[] for _ in self.req_ids])
         if self.ready is not None:
             self.ready.synchronize()
         self.fetched = True
-        for index, token_id in zip(self.sample_rows.tolist(), self.host.tolist()):
-            tokens[index] = [token_id]
+        sampled = self.host.tolist()
+        if len(sampled) == len(self.req_ids):  # every request samples (decodes): the rows are in order
+            tokens = [[token_id] for token_id in sampled]
+        else:
+            tokens = [[] for _ in self.req_ids]
+            for index, token_id in zip(self.sample_rows.tolist(), sampled):
+                tokens[index] = [token_id]
         logprobs = {}
         if self.logprobs is not None:
             lists = self.logprobs.tolists()
@@ -244,11 +248,10 @@ class ModelRunner:
         batch = self.input_batch
         for output in [o for o in self.unapplied if o.fetched]:
             self.unapplied.remove(output)
-            for index, position, token_id in zip(output.sample_rows.tolist(), output.positions.tolist(),
-                                                 output.host.tolist()):
-                row = batch.row_of.get(output.req_ids[index])
-                if row is not None:
-                    batch.token_ids[row, position] = token_id
+            req_ids, row_of = output.req_ids, batch.row_of
+            rows = np.array([row_of.get(req_ids[i], -1) for i in output.sample_rows.tolist()], np.int64)
+            present = rows >= 0
+            batch.token_ids[rows[present], output.positions[present]] = output.host.numpy()[present]
 
     def update_states(self, plan: SchedulerOutput) -> None:
         """Apply the plan's deltas to the persistent batch: requests that left, new ones, progress."""
@@ -259,13 +262,14 @@ class ModelRunner:
             self.in_progress_prompt_logprobs.pop(req_id, None)  # a preempted request computes its prompt anew
         for new in plan.scheduled_new_reqs:
             batch.add_request(new)
-        cached_reqs = plan.scheduled_cached_reqs
-        if cached_reqs:
-            rows = [batch.row_of[cached.req_id] for cached in cached_reqs]
-            batch.num_computed_tokens[rows] = [cached.num_computed_tokens for cached in cached_reqs]
-            for row, cached in zip(rows, cached_reqs):
-                if any(cached.new_block_ids):  # most decodes get no new block
-                    batch.append_block_ids(row, cached.new_block_ids)
+        cached = plan.scheduled_cached_reqs
+        if cached.req_ids:
+            row_of = batch.row_of
+            rows = [row_of[req_id] for req_id in cached.req_ids]
+            batch.num_computed_tokens[rows] = cached.num_computed_tokens
+            for row, block_ids in zip(rows, cached.new_block_ids):
+                if block_ids is not None:  # most decodes get no new block
+                    batch.append_block_ids(row, block_ids)
 
     def prepare_inputs(self, plan: SchedulerOutput, req_ids: list[str]) -> StepInputs:
         """Stage the step's inputs on the host and copy them to the device without blocking."""
@@ -273,7 +277,8 @@ class ModelRunner:
             self.copies_done.synchronize()
         batch, buffers = self.input_batch, self.buffers
         num_reqs = len(req_ids)
-        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, num_reqs)
+        row_of = batch.row_of
+        rows = np.array([row_of[req_id] for req_id in req_ids], np.int64)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int32, num_reqs)
         query_start_loc = buffers.query_start_loc.np[: num_reqs + 1]
         query_start_loc[0] = 0
