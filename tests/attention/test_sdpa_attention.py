@@ -76,3 +76,18 @@ def test_layers_share_the_step_layout_built_once(rng: random.Random) -> None:
         for _ in range(3):  # the group's layers
             backend.forward(batch.query, batch.clean_cache, metadata, scale=0.25, sliding_window=6)
     assert built == [6, 6]  # the decodes and the chunk, once
+
+
+@pytest.mark.parametrize("num_pad_tokens", [0, 2])
+def test_step_kv_write_matches_reference(rng: random.Random, num_pad_tokens: int) -> None:
+    """The write planned once per step fills the same slots as the reference's per-layer write, and skips
+    padding tokens (slot -1)."""
+    batch = make_batch(rng, [(1, 9), (4, 0), (3, 12)], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                       dtype=torch.float32, num_pad_tokens=num_pad_tokens, device="cpu")
+    key, value = torch.randn(2, batch.query.shape[0], 2, 16)
+    expected, written = batch.clean_cache.clone(), batch.clean_cache.clone()
+    get_backend_cls("reference")().write_kv(key, value, expected, batch.metadata.common.slot_mapping)
+    get_backend_cls("sdpa")().write_and_attend(batch.query, key, value, written, sdpa_metadata(batch, None),
+                                               scale=0.25, sliding_window=None)
+    assert not torch.equal(written, batch.clean_cache)
+    assert torch.equal(written, expected)

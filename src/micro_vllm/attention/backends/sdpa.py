@@ -5,7 +5,8 @@ to the longest chunk), so a step that mixes both does not pad every decode to a 
 each batch, the positions every layer reads (the flat cache slot of each request's keys, the query
 rows, the causal and sliding-window mask) are computed once per step by the KV cache group's metadata
 builder and read by the group's layers; a layer then runs one gather of its K/V and one attention call
-per batch, with no per-request Python.
+per batch, with no per-request Python. The slots the step's K/V are written to are likewise sorted
+out once per step (``KVWrites``), so a layer's write is one copy per cache tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from micro_vllm.attention.backends.abstract import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from micro_vllm.attention.backends.reference import write_kv_to_cache
 
 
 @dataclass
@@ -91,8 +91,33 @@ def _first_visible_key(seq_lens: torch.Tensor, query_lens: torch.Tensor, sliding
 
 
 @dataclass
+class KVWrites:
+    """Where a step's K/V go: the cache slots, and the token rows that fill them (None: every row,
+    in order; rows of padding tokens, slot -1, are left out)."""
+
+    slots: torch.Tensor  # int64
+    rows: torch.Tensor | None  # int64
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor) -> KVWrites:
+        valid = slot_mapping >= 0
+        if bool(valid.all()):
+            return cls(slot_mapping, None)
+        rows = valid.nonzero().squeeze(1)
+        return cls(slot_mapping[rows], rows)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        keys, values = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+        if self.rows is not None:
+            key, value = key[self.rows], value[self.rows]
+        keys.index_copy_(0, self.slots, key)
+        values.index_copy_(0, self.slots, value)
+
+
+@dataclass
 class SdpaMetadata(AttentionMetadata):
     batches: list[PaddedBatch]  # the step's decodes and its prefill chunks, those it has
+    kv_writes: KVWrites
 
 
 class SdpaMetadataBuilder(AttentionMetadataBuilder):
@@ -102,14 +127,19 @@ class SdpaMetadataBuilder(AttentionMetadataBuilder):
         group = self.num_heads // self.spec.num_kv_heads  # query heads per KV head
         batches = [padded_batch(common, selected.nonzero().squeeze(1), self.block_size, self.spec.sliding_window,
                                 group) for selected in (query_lens == 1, query_lens > 1) if selected.any()]
-        return SdpaMetadata(common, batches)
+        return SdpaMetadata(common, batches, KVWrites.of(common.slot_mapping))
 
 
 class SdpaBackend(AttentionBackend):
     builder_cls = SdpaMetadataBuilder
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
-        write_kv_to_cache(key, value, kv_cache, slot_mapping)
+        KVWrites.of(slot_mapping).write(key, value, kv_cache)
+
+    def write_and_attend(self, query, key, value, kv_cache, metadata: SdpaMetadata, *, scale, sliding_window):
+        # The slots to write were sorted out once for the step, not once per layer.
+        metadata.kv_writes.write(key, value, kv_cache)
+        return self.forward(query, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
 
     def forward(self, query, kv_cache, metadata: SdpaMetadata, *, scale, sliding_window):
         num_kv_heads, head_size = kv_cache.shape[-2:]
