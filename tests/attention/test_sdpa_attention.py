@@ -76,3 +76,34 @@ def test_layers_share_the_step_layout_built_once(rng: random.Random) -> None:
         for _ in range(3):  # the group's layers
             backend.forward(batch.query, batch.clean_cache, metadata, scale=0.25, sliding_window=6)
     assert built == [6, 6]  # the decodes and the chunk, once
+
+
+@pytest.mark.parametrize("num_pad_tokens", [0, 2])
+def test_step_kv_write_matches_reference(rng: random.Random, num_pad_tokens: int) -> None:
+    """The write planned once per step fills the same slots as the reference's per-layer write, and skips
+    padding tokens (slot -1)."""
+    batch = make_batch(rng, [(1, 9), (4, 0), (3, 12)], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                       dtype=torch.float32, num_pad_tokens=num_pad_tokens, device="cpu")
+    key, value = torch.randn(2, batch.query.shape[0], 2, 16)
+    expected, written = batch.clean_cache.clone(), batch.clean_cache.clone()
+    get_backend_cls("reference")().write_kv(key, value, expected, batch.metadata.common.slot_mapping)
+    get_backend_cls("sdpa")().write_and_attend(batch.query, key, value, written, sdpa_metadata(batch, None),
+                                               scale=0.25, sliding_window=None)
+    assert not torch.equal(written, batch.clean_cache)
+    assert torch.equal(written, expected)
+
+
+@pytest.mark.parametrize("requests, window, unmasked", [
+    ([(1, 9)], None, True),  # one decode: it sees its whole context
+    ([(1, 12), (1, 12)], None, True),  # equal contexts: no padding key slot
+    ([(1, 5), (1, 20)], None, False),
+    ([(1, 30)], 6, True),  # the window's start is the first key slot
+])
+def test_decode_steps_skip_the_gather_and_the_mask(rng: random.Random, requests, window, unmasked) -> None:
+    """A step of decodes only attends in place (no gather of the queries, no scatter of the output),
+    and without a mask where every key slot is visible; the output still equals the reference's."""
+    batch = make_batch(rng, requests, num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                       dtype=torch.float32, sliding_window=window, device="cpu")
+    metadata = sdpa_metadata(batch, window)
+    assert metadata.decodes_only and (metadata.batches[0].mask is None) == unmasked
+    check_sdpa_against_reference(batch, window)

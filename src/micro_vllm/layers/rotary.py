@@ -183,7 +183,9 @@ class RotaryEmbedding(CustomOp):
         """Rotated copies of ``query`` and ``key``."""
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        # The query's and key's heads side by side, so one pass of small ops rotates both.
+        rotated = self._rotate(torch.cat((query, key), dim=-1), cos, sin)
+        return rotated.split((query.shape[-1], key.shape[-1]), dim=-1)
 
     def forward_triton(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from micro_vllm.layers.custom_op import set_custom_ops
+from micro_vllm.layers.linear import process_weights_after_loading
 from micro_vllm.models.registry import get_model_class
 
 # Enough to build the model and its tokenizer; skips *.bin / *.pt / *.gguf copies of the weights.
@@ -61,7 +62,8 @@ def load_model(
     custom_ops: frozenset[str] = frozenset(),
 ) -> nn.Module:
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``path``; the
-    layer ops named in ``custom_ops`` (``resolve_custom_ops``) run their Triton kernels."""
+    layer ops named in ``custom_ops`` (``resolve_custom_ops``) run their Triton kernels, and on CPU the
+    linear layers' weights are laid out for oneDNN once loaded."""
     model_class = get_model_class(hf_config)
     files = safetensors_files(Path(path))
     with torch.device(device), _default_dtype(dtype):
@@ -77,6 +79,7 @@ def load_model(
         detail = str(error) if name in str(error) else f"{name}: {error}"
         raise ValueError(f"{checkpoint_names[name]}: {detail}") from error
     _check_complete(model, loaded, set(checkpoint_names))
+    process_weights_after_loading(model)
     return model.eval()
 
 
@@ -129,7 +132,7 @@ def _check_complete(model: nn.Module, loaded: set[str], checkpoint_names: set[st
 def _skipped_on_purpose(model: nn.Module, name: str) -> bool:
     """Tensors a model leaves unread by design: rotary tables it computes itself, and the output
     projection of a model whose logits reuse the embedding."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None)
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tied)
 
 
 def _checkpoint_names_for(param_name: str, packed: dict[str, tuple[str, ...]]) -> list[str]:

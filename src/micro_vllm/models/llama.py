@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from micro_vllm.attention.attention import Attention
 from micro_vllm.attention.backends.abstract import AttentionMetadata
 from micro_vllm.layers.activation import SiluAndMul
-from micro_vllm.layers.linear import MergedLinear
+from micro_vllm.layers.linear import Linear, MergedLinear
 from micro_vllm.layers.norm import QKNorm, RMSNorm
 from micro_vllm.layers.rotary import RotaryEmbedding
 from micro_vllm.models.utils import head_size_of
@@ -28,7 +27,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +56,7 @@ class LlamaAttention(nn.Module):
         qkv_bias, o_bias = biases
         hidden_size = hf_config.hidden_size
         self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.qk_norm = QKNorm(self.q_norm, self.k_norm) if qk_norm else None  # applies the two above
@@ -171,18 +170,24 @@ class LlamaForCausalLM(nn.Module):
             self.qk_norm,
             self.attention_biases(hf_config),
         )
-        tied = getattr(hf_config, "tie_word_embeddings", False)
-        # Tied: logits reuse the embedding matrix, so no separate lm_head parameter exists.
-        self.lm_head = None if tied else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        # Tied: logits reuse the embedding matrix, one parameter loaded under the embedding's name (the
+        # head's own weight is never allocated).
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False,
+                              device="meta" if self.tied else None)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: list[AttentionMetadata]
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
+    @property
+    def tied(self) -> bool:
+        return getattr(self.config, "tie_word_embeddings", False)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight)
+        return self.lm_head(hidden_states)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

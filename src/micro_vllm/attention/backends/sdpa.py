@@ -5,7 +5,8 @@ to the longest chunk), so a step that mixes both does not pad every decode to a 
 each batch, the positions every layer reads (the flat cache slot of each request's keys, the query
 rows, the causal and sliding-window mask) are computed once per step by the KV cache group's metadata
 builder and read by the group's layers; a layer then runs one gather of its K/V and one attention call
-per batch, with no per-request Python.
+per batch, with no per-request Python. The slots the step's K/V are written to are likewise sorted
+out once per step (``KVWrites``), so a layer's write is one copy per cache tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from micro_vllm.attention.backends.abstract import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from micro_vllm.attention.backends.reference import write_kv_to_cache
 
 
 @dataclass
@@ -37,8 +37,8 @@ class PaddedBatch:
     query_rows: torch.Tensor  # int64 [R * num_queries]: each query slot's token row (padding: a valid row)
     kv_slots: torch.Tensor  # int64 [R * num_keys]: each key slot's flat cache slot
     # bool [R, 1, group * num_queries (1 for decodes: it broadcasts), num_keys]: True where a query
-    # slot sees a key slot
-    mask: torch.Tensor
+    # slot sees a key slot; None where every query slot sees every key slot
+    mask: torch.Tensor | None
     real_slots: torch.Tensor  # int64 [tokens of these requests]: the query slots holding real tokens
     token_rows: torch.Tensor  # int64 [tokens of these requests]: their token rows, in the same order
 
@@ -79,8 +79,8 @@ def padded_batch(metadata: CommonAttentionMetadata, requests_cpu: torch.Tensor, 
     if num_queries > 1:  # as the queries are laid out: each KV head's query heads one after another
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(requests_cpu), group * num_queries, num_keys)
     real_slots = is_real.flatten().nonzero().squeeze(1)
-    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_slots.flatten(), mask[:, None],
-                       real_slots, query_rows.flatten()[real_slots])
+    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_slots.flatten(),
+                       None if bool(mask.all()) else mask[:, None], real_slots, query_rows.flatten()[real_slots])
 
 
 def _first_visible_key(seq_lens: torch.Tensor, query_lens: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -91,8 +91,36 @@ def _first_visible_key(seq_lens: torch.Tensor, query_lens: torch.Tensor, sliding
 
 
 @dataclass
+class KVWrites:
+    """Where a step's K/V go: the cache slots, and the token rows that fill them (None: every row,
+    in order; rows of padding tokens, slot -1, are left out)."""
+
+    slots: torch.Tensor  # int64
+    rows: torch.Tensor | None  # int64
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor) -> KVWrites:
+        valid = slot_mapping >= 0
+        if bool(valid.all()):
+            return cls(slot_mapping, None)
+        rows = valid.nonzero().squeeze(1)
+        return cls(slot_mapping[rows], rows)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        keys, values = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+        if self.rows is not None:
+            key, value = key[self.rows], value[self.rows]
+        keys.index_copy_(0, self.slots, key)
+        values.index_copy_(0, self.slots, value)
+
+
+@dataclass
 class SdpaMetadata(AttentionMetadata):
     batches: list[PaddedBatch]  # the step's decodes and its prefill chunks, those it has
+    kv_writes: KVWrites
+    # Only decodes, their token rows the step's rows in order (no padding): the query is the batch as
+    # it stands and the output needs no scatter.
+    decodes_only: bool
 
 
 class SdpaMetadataBuilder(AttentionMetadataBuilder):
@@ -102,32 +130,48 @@ class SdpaMetadataBuilder(AttentionMetadataBuilder):
         group = self.num_heads // self.spec.num_kv_heads  # query heads per KV head
         batches = [padded_batch(common, selected.nonzero().squeeze(1), self.block_size, self.spec.sliding_window,
                                 group) for selected in (query_lens == 1, query_lens > 1) if selected.any()]
-        return SdpaMetadata(common, batches)
+        decodes_only = bool((query_lens == 1).all()) and common.slot_mapping.shape[0] == common.num_reqs
+        return SdpaMetadata(common, batches, KVWrites.of(common.slot_mapping), decodes_only)
 
 
 class SdpaBackend(AttentionBackend):
     builder_cls = SdpaMetadataBuilder
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
-        write_kv_to_cache(key, value, kv_cache, slot_mapping)
+        KVWrites.of(slot_mapping).write(key, value, kv_cache)
+
+    def write_and_attend(self, query, key, value, kv_cache, metadata: SdpaMetadata, *, scale, sliding_window):
+        # The slots to write were sorted out once for the step, not once per layer.
+        metadata.kv_writes.write(key, value, kv_cache)
+        return self.forward(query, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
 
     def forward(self, query, kv_cache, metadata: SdpaMetadata, *, scale, sliding_window):
         num_kv_heads, head_size = kv_cache.shape[-2:]
-        num_heads = query.shape[1]
-        group = num_heads // num_kv_heads  # query heads per KV head
         keys, values = kv_cache.view(2, -1, num_kv_heads, head_size)
+        if metadata.decodes_only:
+            return _attend(query, keys, values, metadata.batches[0], scale)
         output = torch.empty_like(query)
         for batch in metadata.batches:
-            q_len, k_len = batch.num_queries, batch.num_keys
-            # Each KV head's query heads stacked along the query axis, so one call serves GQA
-            # without repeating K/V: [R, kv_heads, group * q_len, d].
-            q = query.index_select(0, batch.query_rows).view(-1, q_len, num_kv_heads, group, head_size)
-            num_reqs = q.shape[0]
-            q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * q_len, head_size)
-            k = keys.index_select(0, batch.kv_slots).view(num_reqs, k_len, num_kv_heads, head_size).transpose(1, 2)
-            v = values.index_select(0, batch.kv_slots).view(num_reqs, k_len, num_kv_heads, head_size).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
-            out = out.view(num_reqs, num_kv_heads, group, q_len, head_size).permute(0, 3, 1, 2, 4)
-            out = out.reshape(num_reqs * q_len, num_heads, head_size)
+            out = _attend(query.index_select(0, batch.query_rows), keys, values, batch, scale)
             output.index_copy_(0, batch.token_rows, out.index_select(0, batch.real_slots))
         return output
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: PaddedBatch,
+            scale: float) -> torch.Tensor:
+    """One attention call over ``batch``, its query slots' rows given in ``query`` [R * num_queries,
+    heads, d]; returns the output in the same layout."""
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads  # query heads per KV head
+    q_len, k_len = batch.num_queries, batch.num_keys
+    # Each KV head's query heads stacked along the query axis, so one call serves GQA without
+    # repeating K/V: [R, kv_heads, group * q_len, d].
+    q = query.view(-1, q_len, num_kv_heads, group, head_size)
+    num_reqs = q.shape[0]
+    q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * q_len, head_size)
+    k = keys.index_select(0, batch.kv_slots).view(num_reqs, k_len, num_kv_heads, head_size).transpose(1, 2)
+    v = values.index_select(0, batch.kv_slots).view(num_reqs, k_len, num_kv_heads, head_size).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
+    out = out.view(num_reqs, num_kv_heads, group, q_len, head_size).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_reqs * q_len, num_heads, head_size)
