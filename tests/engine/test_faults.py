@@ -210,3 +210,18 @@ def test_real_sigint_during_generate(model_dir):
     assert result["interrupts"] == NUM_INTERRUPTS
     assert result["mismatches"] == 0 and result["left_behind"] == 0
     assert result["hits"] > 0  # the prefix cache still serves what completed steps computed
+
+
+def test_an_interrupt_before_the_next_call_runs_leaves_nothing_behind(model_dir, expected, monkeypatch):
+    """A Ctrl-C while the next call still checks its prompts, after a call that completed: the runner
+    still holds the requests that finished last, which only the next plan would have dropped; the
+    rollback drops them, and the call after gives a fresh engine's tokens."""
+    llm = make_llm(model_dir)
+    llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert len(llm.engine.executor.worker.model_runner.input_batch)  # what the next plan would drop
+    inject(monkeypatch, llm.engine, "make_request", at_call=0, error=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    check_nothing_left(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected

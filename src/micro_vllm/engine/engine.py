@@ -180,8 +180,11 @@ class Engine:
         every KV block is free, and the engine gives a fresh engine's outputs."""
         self.prompts.clear()
         self.output_processor.clear()
-        if not (self._in_step or self.in_flight or self.scheduler.has_unfinished_requests()):
-            return  # nothing ran since the last step completed: nothing to roll back
+        if not (self._in_step or self.in_flight or self.scheduler.has_unfinished_requests()
+                or self.scheduler.finished_req_ids):
+            # Nothing ran since the last step completed, and the runner holds no request the next
+            # plan would have told it to drop: nothing to roll back.
+            return
         self.in_flight.clear()
         aborted = self.scheduler.reset()
         self.executor.reset_batch()
