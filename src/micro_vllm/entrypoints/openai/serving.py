@@ -12,7 +12,6 @@ import contextlib
 import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
@@ -61,23 +60,6 @@ def error_response(message: str, status: HTTPStatus, param: str | None = None) -
     """OpenAI's error object; ``type`` is the status' name as vLLM writes it (BadRequestError...)."""
     kind = {HTTPStatus.UNAUTHORIZED: "AuthenticationError"}.get(status, status.phrase.replace(" ", "") + "Error")
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status.value))
-
-
-@dataclass
-class _Choice:
-    """One choice's output, added up from the deltas of a non-streamed request."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def add(self, completion: CompletionOutput) -> None:
-        self.text += completion.text
-        self.token_ids += completion.token_ids
-        self.logprobs += completion.logprobs or []
-        self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
 
 
 class OpenAIServing:
@@ -165,19 +147,19 @@ class OpenAIServing:
         chat = isinstance(request, ChatCompletionRequest)
         if request.stream:
             return self._stream(request, outputs, request_id, model, len(token_ids))
-        choices = sorted((await _gather(outputs)).items())
-        usage = _usage(len(token_ids), [c for _, c in choices])
+        choices = await _gather(outputs)
+        usage = _usage(len(token_ids), sum(len(c.token_ids) for c in choices))
         if chat:
             return ChatCompletionResponse(id=request_id, model=model, usage=usage, choices=[
                 ChatCompletionResponseChoice(
-                    index=i, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
+                    index=c.index, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason, logprobs=self._chat_logprobs(request, c.token_ids, c.logprobs),
-                ) for i, c in choices])
+                ) for c in choices])
         return CompletionResponse(id=request_id, model=model, usage=usage, choices=[
             CompletionResponseChoice(
-                index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                index=c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 logprobs=self._completion_logprobs(request, c.token_ids, c.logprobs),
-            ) for i, c in choices])
+            ) for c in choices])
 
     async def _generate(self, request, text: str | None, token_ids: list[int],
                         request_id: str) -> AsyncGenerator[RequestOutput, None]:
@@ -205,16 +187,16 @@ class OpenAIServing:
         (the status was sent already)."""
         chat = isinstance(request, ChatCompletionRequest)
         response_cls = ChatCompletionStreamResponse if chat else CompletionResponse
-        choices: dict[int, _Choice] = {}
+        num_tokens: dict[int, int] = {}  # each choice's tokens so far, by index
         try:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     for completion in output.outputs:
-                        if chat and completion.index not in choices:
+                        if chat and completion.index not in num_tokens:
                             role = ChatCompletionStreamChoice(index=completion.index,
                                                               delta=DeltaMessage(role="assistant", content=""))
                             yield _sse(response_cls(id=request_id, model=model, choices=[role]))
-                        choices.setdefault(completion.index, _Choice()).add(completion)
+                        num_tokens[completion.index] = num_tokens.get(completion.index, 0) + len(completion.token_ids)
                         if completion.text or completion.finish_reason:
                             choice = self._stream_choice(request, completion)
                             yield _sse(response_cls(id=request_id, model=model, choices=[choice]))
@@ -222,7 +204,7 @@ class OpenAIServing:
             yield _sse(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR))
         else:
             if request.include_usage:
-                usage = _usage(num_prompt_tokens, choices.values())
+                usage = _usage(num_prompt_tokens, sum(num_tokens.values()))
                 yield _sse(response_cls(id=request_id, model=model, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
@@ -306,20 +288,22 @@ async def _prepend(first: RequestOutput, rest: AsyncGenerator[RequestOutput, Non
                 yield output
 
 
-async def _gather(outputs) -> dict[int, _Choice]:
-    choices: dict[int, _Choice] = {}
+async def _gather(outputs) -> list[CompletionOutput]:
+    """The request's sequences, whole, by index: its DELTA outputs folded into one."""
+    whole = None
     async with contextlib.aclosing(outputs):
         async for output in outputs:
-            for completion in output.outputs:
-                choices.setdefault(completion.index, _Choice()).add(completion)
-    return choices
+            if whole is None:
+                whole = output
+            else:
+                whole.add(output)
+    return sorted(whole.outputs, key=lambda completion: completion.index)
 
 
 def _sse(response) -> str:
     return f"data: {response.model_dump_json()}\n\n"
 
 
-def _usage(num_prompt_tokens: int, choices) -> UsageInfo:
-    completion_tokens = sum(len(c.token_ids) for c in choices)
+def _usage(num_prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=num_prompt_tokens + completion_tokens)
