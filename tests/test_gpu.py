@@ -42,6 +42,7 @@ from helpers.model_shapes import SHAPES, shape_id, shape_overrides
 from helpers.structured_output import MAX_TOKENS, REQUESTS, check_all, generate
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.model_loader.default_model_download import DefaultModelUnavailable, default_model_path
+from micro_vllm.worker.cuda_graphs import CudaGraphShape
 from helpers.tiny_models import make_tiny_model
 
 pytestmark = [
@@ -347,11 +348,11 @@ def test_head_size_grid_matches_transformers(shape, dtype, tmp_path):
 
 
 class GraphReplays:
-    """Records, for each replay of a captured graph, (requests in the step, graph size)."""
+    """Records, for each replay of a captured graph, (requests in the step, the graph's shape)."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
-        self.replays: list[tuple[int, int]] = []
+        self.replays: list[tuple[int, CudaGraphShape]] = []
         self._num_reqs = 0
         self._saved_graphs = dict(runner.cuda_graphs.graphs)
         execute = runner.execute_model
@@ -361,15 +362,15 @@ class GraphReplays:
             return execute(plan)
 
         runner.execute_model = noting_execute
-        for size, (graph, output) in self._saved_graphs.items():
-            runner.cuda_graphs.graphs[size] = (self._Counting(graph, size, self), output)
+        for shape, (graph, output) in self._saved_graphs.items():
+            runner.cuda_graphs.graphs[shape] = (self._Counting(graph, shape, self), output)
 
     class _Counting:
-        def __init__(self, graph, size: int, owner: GraphReplays) -> None:
-            self.graph, self.size, self.owner = graph, size, owner
+        def __init__(self, graph, shape: CudaGraphShape, owner: GraphReplays) -> None:
+            self.graph, self.shape, self.owner = graph, shape, owner
 
         def replay(self) -> None:
-            self.owner.replays.append((self.owner._num_reqs, self.size))
+            self.owner.replays.append((self.owner._num_reqs, self.shape))
             self.graph.replay()
 
     def restore(self) -> None:
@@ -379,7 +380,8 @@ class GraphReplays:
 
 
 # 33 requests that finish at different times, so decode batches shrink from 33 to 1 through
-# several captured sizes (1, 2, 4, 8, 16, 32, 48, 64) and are padded to the next one on the way.
+# several captured sizes (1, 2, 4, 8, 16, 32, 48, 64) and are padded to the next one on the way;
+# their prompts, chunked by the budget of 64 tokens, make steps with prefill chunks beside decodes.
 GRAPH_PROMPTS = _prompts([random.Random(i).randint(2, 60) for i in range(33)], seed=1)
 GRAPH_MAX_TOKENS = [4 + (7 * i) % 45 for i in range(33)]
 
@@ -389,15 +391,17 @@ GRAPH_MAX_TOKENS = [4 + (7 * i) % 45 for i in range(33)]
     [("llama", "bfloat16"), ("mistral", "bfloat16"), ("qwen3_sliding", "bfloat16"), ("qwen3", "float32")],
 )
 def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, bf16_engine):
-    """Decode steps replayed from CUDA graphs (padded to the next captured size) give the tokens of
-    the same engine with enforce_eager=True, whose decode steps all run eagerly."""
+    """Steps replayed from CUDA graphs (padded to the next captured shape), decode batches and steps
+    with prefill chunks alike, give the tokens of the same engine with enforce_eager=True, whose
+    steps all run eagerly."""
     params = [greedy(m) for m in GRAPH_MAX_TOKENS]
     shared = dtype == "bfloat16"
     with contextlib.ExitStack() as stack:
         graphs = bf16_engine(family) if shared else stack.enter_context(engine(model_dirs[family], dtype=dtype))
         runner = runner_of(graphs)
         assert runner.cuda_graphs.graphs, "no CUDA graphs were captured with enforce_eager=False on CUDA"
-        assert min(runner.cuda_graphs.graphs) == 1 and max(runner.cuda_graphs.graphs) == 64  # up to max_num_seqs
+        decode_sizes = [shape.num_reqs for shape in runner.cuda_graphs.graphs if shape.uniform_decode]
+        assert min(decode_sizes) == 1 and max(decode_sizes) == 64  # up to max_num_seqs
         replays = GraphReplays(runner)
         try:
             with_graphs = token_ids(graphs.generate(GRAPH_PROMPTS, params, use_tqdm=False))
@@ -408,10 +412,12 @@ def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, bf16_engine):
         without = token_ids(eager.generate(GRAPH_PROMPTS, params, use_tqdm=False))
 
     assert [len(t) for t in with_graphs] == GRAPH_MAX_TOKENS
-    sizes = {size for _, size in replays.replays}
-    padded = {(n, size) for n, size in replays.replays if n < size}
+    sizes = {shape.num_reqs for _, shape in replays.replays if shape.uniform_decode}
+    padded = {(n, shape) for n, shape in replays.replays if shape.uniform_decode and n < shape.num_reqs}
+    mixed = {shape for _, shape in replays.replays if not shape.uniform_decode}
     assert len(sizes) >= 4, f"decode steps replayed only graph sizes {sorted(sizes)}"
     assert padded, "no decode step was padded to a bigger graph"
+    assert len(mixed) >= 2, f"steps with prefill chunks replayed only the graphs of {sorted(mixed)}"
     refs.assert_same_greedy(family, DTYPES[dtype], GRAPH_PROMPTS, with_graphs, without, f"{family} graphs vs eager")
 
 

@@ -1,7 +1,7 @@
 """Pieces of the ModelRunner that run on CUDA, exercised on CPU: the step buffers' copy (on CPU a
 CpuGpuBuffer's host and device sides are one tensor, so a separate twin stands in for the device
-side), the start-up steps, a decode step padded to a CUDA graph's size, and when fetched tokens reach
-the persistent batch."""
+side), the start-up steps, the CUDA graph shapes and steps padded to one (decode and mixed), and when
+fetched tokens reach the persistent batch."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from micro_vllm.attention.attention import Attention
 from micro_vllm.attention.backends.registry import get_backend_cls
 from micro_vllm.core.kv_cache_manager import make_kv_cache_groups
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
-from micro_vllm.worker.cuda_graphs import pad_decode_batch
+from micro_vllm.worker.cuda_graphs import CudaGraphs, CudaGraphShape, cudagraph_capture_shapes, pad_decode_batch
 from micro_vllm.worker.dummy_run import profile_query_lens, profile_run, warm_up
 from micro_vllm.worker.input_buffers import InputBuffers
 from helpers.tiny_models import make_tiny_model
@@ -119,3 +119,80 @@ def test_a_decode_step_padded_to_a_graph_size_stages_dummies_that_write_nowhere(
     assert common.block_table[2:, 0].tolist() == [0, 0]
     assert buffers.input_ids.np[2:4].tolist() == [0, 0] and buffers.positions.np[2:4].tolist() == [0, 0]
     assert metadata.decode_order.tolist() == [1, 0, 2, 3]
+
+
+def test_graph_shapes_cover_decodes_and_short_steps_with_prefill_chunks():
+    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=100, max_model_len=256)
+    decode = [s.num_reqs for s in shapes if s.uniform_decode]
+    mixed = [(s.num_tokens, s.num_reqs) for s in shapes if not s.uniform_decode]
+    assert decode == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert mixed == [(32, 4), (32, 16), (64, 4), (64, 16), (64, 32), (100, 4), (100, 16), (100, 50)]
+    graphs = CudaGraphs()
+    graphs.shapes = sorted(shapes)
+    assert graphs.shape_for(3, 3) == CudaGraphShape(4, 4)
+    assert graphs.shape_for(1, 20) == CudaGraphShape(32, 4)  # padded to 32 tokens, a dummy prompt in slot 4
+    assert graphs.shape_for(4, 20) == CudaGraphShape(32, 16)  # no slot left for the padding in (32, 4)
+    assert graphs.shape_for(16, 32) == CudaGraphShape(64, 32)  # neither (32, 16) nor (64, 16) has a slot to spare
+    assert graphs.shape_for(2, 65) == CudaGraphShape(100, 4)
+    assert graphs.shape_for(2, 101) is None and graphs.shape_for(65, 65) is None
+    # The dummy prompt of a mixed graph is never longer than a request can be.
+    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=1000, max_model_len=40)
+    assert max(s.num_tokens for s in shapes if not s.uniform_decode) == 40
+    # One running request: a slot more for the dummy prompt.
+    shapes = cudagraph_capture_shapes(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256)
+    assert shapes == [CudaGraphShape(1, 1), CudaGraphShape(32, 2), CudaGraphShape(64, 2)]
+
+
+def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_nowhere(tmp_path, monkeypatch):
+    """A decode beside a new prompt (10 tokens, 2 requests), staged as the graph path stages it for a
+    captured shape of 32 tokens and 4 request slots, over step buffers left stale by a larger step,
+    and run eagerly: the real tokens' hidden states are those of the unpadded step, and the step
+    writes exactly the real tokens' KV slots."""
+    pytest.importorskip("triton")
+    path = make_tiny_model("qwen3", tmp_path)
+    with LLM(model=str(path), device="cpu", dtype="float32", attention_backend="triton", max_model_len=64,
+             max_num_seqs=4) as llm:
+        engine = llm.engine
+        runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
+        layers = runner.model.attention_layers()
+        for layer in layers:  # stale values everywhere but the null block
+            layer.kv_cache.normal_()
+            layer.kv_cache[:, 0].zero_()
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        engine.add_request(engine.make_request("0", [1, 2, 3, 4, 5], params))
+        scheduler.update_from_output(runner.execute_model(scheduler.schedule()).get_output())
+        engine.add_request(engine.make_request("1", list(range(10, 19)), params))
+        plan = scheduler.schedule()
+        assert list(plan.num_scheduled_tokens.values()) == [1, 9]
+        runner.apply_fetched_outputs()
+        runner.update_states(plan)
+        req_ids = list(plan.num_scheduled_tokens)
+        before = [layer.kv_cache.clone() for layer in layers]
+
+        unpadded = runner.prepare_inputs(plan, req_ids)
+        assert unpadded.cuda_graph_shape is None
+        expected = runner.model(unpadded.input_ids, unpadded.positions, unpadded.attn_metadata).clone()
+        real_slots = unpadded.attn_metadata[0].common.slot_mapping.tolist()
+
+        for layer, cache in zip(layers, before):
+            layer.kv_cache.copy_(cache)
+        buffers = runner.buffers
+        for buffer, stale in [(buffers.query_start_loc, 7), (buffers.seq_lens, 50), (buffers.input_ids, 5),
+                              (buffers.positions, 9), (buffers.block_tables[0], 3), (buffers.slot_mappings[0], 70)]:
+            buffer.np[:] = stale
+        shape = CudaGraphShape(32, 4)
+        assert shape.fits(2, 10)
+        monkeypatch.setattr(runner.cuda_graphs, "shape_for", lambda num_reqs, num_tokens: shape)
+        padded = runner.prepare_inputs(plan, req_ids)
+        assert padded.cuda_graph_shape == shape and padded.num_tokens == 10
+        common = padded.attn_metadata[0].common
+        assert padded.input_ids.shape[0] == 32 and common.num_reqs == 4 and common.max_query_len == 32
+        # Slot 2 has no query; the dummy prompt in slot 3 takes the 22 padding tokens over the null block.
+        assert common.query_start_loc.tolist() == [0, 1, 10, 10, 32] and common.seq_lens.tolist() == [6, 9, 0, 22]
+        assert common.block_table[3, :2].tolist() == [0, 0] and (common.slot_mapping[10:] == -1).all()
+        hidden = runner.model(padded.input_ids, padded.positions, padded.attn_metadata)
+
+        torch.testing.assert_close(hidden[:10], expected)
+        for layer, cache in zip(layers, before):
+            written = (layer.kv_cache != cache).flatten(3).any(dim=3).any(dim=0).flatten()  # per slot
+            assert torch.nonzero(written).flatten().tolist() == sorted(real_slots)

@@ -1,10 +1,16 @@
-"""CUDA graphs of decode steps: the batch sizes that get one, their capture, and replaying a step
-padded to the next captured size."""
+"""CUDA graphs of whole steps (vLLM's FULL cudagraphs): the step shapes that get one, the padding
+that fits a step into a captured shape, their capture, and replay.
+
+Two kinds of shape: decode batches (one token per request) up to ``MAX_CUDA_GRAPH_BATCH`` requests,
+and steps with prefill chunks (alone or mixed with decodes) up to ``MAX_MIXED_GRAPH_TOKENS`` tokens,
+where launching each kernel from Python costs far more than the GPU work of a short prefill.
+"""
 
 from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,13 +21,66 @@ from micro_vllm.worker.input_buffers import InputBuffers
 logger = logging.getLogger(__name__)
 
 MAX_CUDA_GRAPH_BATCH = 512  # larger decode batches run eagerly
+MAX_MIXED_GRAPH_TOKENS = 512  # larger steps with prefill chunks run eagerly (vLLM's largest capture size)
+# Token counts of the mixed graphs: powers of two from here up. No smaller: a query bound of at least
+# this many tokens takes the attention's general prefill tiles whatever the heads.
+MIN_MIXED_GRAPH_TOKENS = 32
+# Request slots of a mixed graph, on a coarser ladder than decode batches: a spare slot costs only a
+# program that finds no query, but each size is a graph per token count.
+MIXED_GRAPH_REQUEST_SLOTS = (4, 16, 64, 256)
 
 
-def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
+@dataclass(frozen=True, order=True)
+class CudaGraphShape:
+    """The step a graph was captured for (vLLM: BatchDescriptor): its tokens and request slots.
+
+    Equal counts make a decode graph: one query per request, the attention's decode path. Otherwise
+    the graph serves steps with prefill chunks: its metadata states ``num_tokens`` as the longest
+    query, a bound every step it serves meets, so the attention takes its general path (prefill
+    tiles, grid from tokens and requests alone) and one graph serves any mix of query lengths."""
+
+    num_tokens: int
+    num_reqs: int
+
+    @property
+    def uniform_decode(self) -> bool:
+        return self.num_tokens == self.num_reqs
+
+    @property
+    def max_query_len(self) -> int:
+        return 1 if self.uniform_decode else self.num_tokens
+
+    def fits(self, num_reqs: int, num_tokens: int) -> bool:
+        """Whether a step of this many requests and tokens pads to this shape: a decode batch to a
+        decode graph; a step with prefill chunks to a mixed graph with a request slot to spare, the
+        last one, which takes the padding tokens."""
+        if num_tokens == num_reqs:
+            return self.uniform_decode and num_reqs <= self.num_reqs
+        return not self.uniform_decode and num_tokens <= self.num_tokens and num_reqs < self.num_reqs
+
+
+def cudagraph_capture_shapes(max_num_seqs: int, max_num_batched_tokens: int,
+                             max_model_len: int) -> list[CudaGraphShape]:
+    """The decode batch sizes (vLLM's ``cudagraph_capture_sizes``) and the mixed-step shapes that
+    get a graph: steps up to these limits replay one, larger ones run eagerly."""
     # Past a few hundred decodes launch overhead is a small share of a step (vLLM stops at 512 too).
     limit = min(max_num_seqs, MAX_CUDA_GRAPH_BATCH)
-    sizes = [1, 2, 4, 8] + list(range(16, limit + 1, 16))
-    return sorted({s for s in sizes if s <= limit} | {limit})
+    sizes = {s for s in [1, 2, 4, 8, *range(16, limit + 1, 16)] if s <= limit} | {limit}
+    shapes = [CudaGraphShape(size, size) for size in sorted(sizes)]
+    # A mixed step has more tokens than requests; one needing more than half its token count in
+    # slots (its requests and the padding's dummy, one slot past max_num_seqs at most) fits the next
+    # token count up. The dummy prompt must fit a block-table row.
+    token_limit = min(max_num_batched_tokens, max_model_len, MAX_MIXED_GRAPH_TOKENS)
+    token_counts = {token_limit} if token_limit >= MIN_MIXED_GRAPH_TOKENS else set()
+    num_tokens = MIN_MIXED_GRAPH_TOKENS
+    while num_tokens < token_limit:
+        token_counts.add(num_tokens)
+        num_tokens *= 2
+    for num_tokens in sorted(token_counts):
+        slots = min(num_tokens // 2, max_num_seqs + 1)
+        for num_reqs in sorted({s for s in MIXED_GRAPH_REQUEST_SLOTS if s < slots} | {slots}):
+            shapes.append(CudaGraphShape(num_tokens, num_reqs))
+    return shapes
 
 
 def pad_decode_batch(buffers: InputBuffers, num_reqs: int, size: int) -> None:
@@ -37,45 +96,74 @@ def pad_decode_batch(buffers: InputBuffers, num_reqs: int, size: int) -> None:
         slot_mapping.np[num_reqs:size] = -1
 
 
+def pad_mixed_batch(buffers: InputBuffers, num_reqs: int, num_tokens: int, shape: CudaGraphShape) -> None:
+    """Stage a step with prefill chunks as ``shape``: its padding tokens form a dummy prompt in the
+    last request slot, which reads only the null block and writes nowhere, and the slots between
+    hold requests without a query, which the attention skips."""
+    last = shape.num_reqs - 1
+    buffers.query_start_loc.np[num_reqs : shape.num_reqs] = num_tokens
+    buffers.query_start_loc.np[shape.num_reqs] = shape.num_tokens
+    buffers.seq_lens.np[num_reqs:last] = 0
+    buffers.seq_lens.np[last] = shape.num_tokens - num_tokens
+    buffers.input_ids.np[num_tokens : shape.num_tokens] = 0
+    buffers.positions.np[num_tokens : shape.num_tokens] = 0
+    for block_table, slot_mapping in zip(buffers.block_tables, buffers.slot_mappings):
+        block_table.np[last] = 0
+        slot_mapping.np[num_tokens : shape.num_tokens] = -1
+
+
+def pad_batch(buffers: InputBuffers, num_reqs: int, num_tokens: int, shape: CudaGraphShape) -> None:
+    """Stage the rows of a step past its ``num_reqs`` requests and ``num_tokens`` tokens so that it
+    runs as ``shape``."""
+    if shape.uniform_decode:
+        pad_decode_batch(buffers, num_reqs, shape.num_reqs)
+    else:
+        pad_mixed_batch(buffers, num_reqs, num_tokens, shape)
+
+
 class CudaGraphs:
-    """The captured decode graphs by batch size, each with the output tensor its replays fill."""
+    """The captured graphs by step shape, each with the output tensor its replays fill."""
 
     def __init__(self) -> None:
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.sizes: list[int] = []
+        self.graphs: dict[CudaGraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.shapes: list[CudaGraphShape] = []  # smallest first
 
     @torch.inference_mode()
-    def capture(self, model: nn.Module, buffers: InputBuffers, sizes: list[int], max_model_len: int) -> None:
-        """Capture one graph per decode batch size, largest first so smaller ones reuse its memory.
+    def capture(self, model: nn.Module, buffers: InputBuffers, shapes: list[CudaGraphShape],
+                max_model_len: int) -> None:
+        """Capture one graph per shape, largest first so smaller ones reuse its memory.
 
-        A graph bakes in its kernels and buffer addresses, not sequence lengths: the attention backend
-        reads those from the device, so one graph serves every decode step of its size."""
+        A graph bakes in its kernels and buffer addresses, not sequence or query lengths: the
+        attention backend reads those from the device, so one graph serves every step its shape
+        fits."""
         pool = None
-        for size in sorted(sizes, reverse=True):
-            pad_decode_batch(buffers, 0, size)
-            metadata = buffers.attention_metadata(size, size, max_query_len=1, max_seq_len=max_model_len, num_cols=1)
-            args = (buffers.input_ids.copy_to_device(size), buffers.positions.copy_to_device(size), metadata)
+        for shape in sorted(shapes, reverse=True):
+            pad_batch(buffers, 0, 0, shape)
+            metadata = buffers.attention_metadata(shape.num_reqs, shape.num_tokens, shape.max_query_len,
+                                                  max_model_len, num_cols=buffers.num_cols(shape.num_tokens))
+            args = (buffers.input_ids.copy_to_device(shape.num_tokens),
+                    buffers.positions.copy_to_device(shape.num_tokens), metadata)
             model(*args)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden_states = model(*args)
             pool = graph.pool()
-            self.graphs[size] = (graph, hidden_states)
+            self.graphs[shape] = (graph, hidden_states)
         torch.cuda.synchronize()
-        self.sizes = sorted(self.graphs)
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        self.shapes = sorted(self.graphs)
+        logger.info("captured CUDA graphs for decode batch sizes %s and (tokens, requests) of mixed steps %s",
+                    [s.num_reqs for s in self.shapes if s.uniform_decode],
+                    [(s.num_tokens, s.num_reqs) for s in self.shapes if not s.uniform_decode])
 
-    def size_for(self, num_reqs: int, num_tokens: int) -> int | None:
-        """The smallest captured batch that holds this step, when the step is all decodes."""
-        if not self.graphs or num_tokens != num_reqs:
-            return None
-        index = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[index] if index < len(self.sizes) else None
+    def shape_for(self, num_reqs: int, num_tokens: int) -> CudaGraphShape | None:
+        """The smallest captured shape this step pads to, if any."""
+        first = bisect.bisect_left(self.shapes, CudaGraphShape(num_tokens, 0))
+        return next((shape for shape in self.shapes[first:] if shape.fits(num_reqs, num_tokens)), None)
 
-    def replay(self, size: int, num_reqs: int) -> torch.Tensor:
-        """Run the graph of ``size`` on the staged step (padded to ``size``): the hidden states of its
-        first ``num_reqs`` rows, the real ones."""
-        graph, hidden_states = self.graphs[size]
+    def replay(self, shape: CudaGraphShape, num_tokens: int) -> torch.Tensor:
+        """Run the graph of ``shape`` on the staged step (padded to it): the hidden states of its
+        first ``num_tokens`` rows, the real ones."""
+        graph, hidden_states = self.graphs[shape]
         graph.replay()
-        return hidden_states[:num_reqs]
+        return hidden_states[:num_tokens]

@@ -39,9 +39,10 @@ def warm_up(runner: ModelRunner) -> None:
     be, the whole token budget), one lone prompt chunk as long as the budget allows, and one of short
     prompt chunks. The lone chunk takes the attention's prefill tiles even when the largest step
     has none (a budget no larger than ``max_num_seqs`` gives every request one token); the short
-    chunks take its decode tiles. Decode steps are compiled when their graphs are captured. The
-    largest step also leaves the allocator holding blocks of a full step's activation sizes, so the
-    first long prefill steps do not wait for the allocator."""
+    chunks take its decode tiles. Steps that replay a CUDA graph are compiled when it is captured
+    (each capture runs its step once first). The largest step also leaves the allocator holding
+    blocks of a full step's activation sizes, so the first long prefill steps do not wait for the
+    allocator."""
     settings = runner.settings
     dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
                                           settings.max_model_len))

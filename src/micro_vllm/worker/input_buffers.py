@@ -20,7 +20,8 @@ class InputBuffers:
     def __init__(self, layers: list[Attention], backend: AttentionBackend, groups: list[KVCacheGroup],
                  max_num_reqs: int, max_num_tokens: int, max_model_len: int, block_size: int,
                  device: torch.device) -> None:
-        max_blocks = -(-max_model_len // block_size)
+        self.block_size = block_size
+        max_blocks = self.num_cols(max_model_len)
         staged = lambda *shape, dtype=torch.int32: CpuGpuBuffer(shape, dtype, device)  # noqa: E731
         self.input_ids = staged(max_num_tokens, dtype=torch.int64)
         self.positions = staged(max_num_tokens, dtype=torch.int64)
@@ -36,6 +37,10 @@ class InputBuffers:
         for group_id, group in enumerate(groups):
             for layer_index in group.layer_indices:
                 self.layer_group[layer_index] = group_id
+
+    def num_cols(self, max_seq_len: int) -> int:
+        """The block-table columns that contexts of up to ``max_seq_len`` tokens reach."""
+        return -(-max_seq_len // self.block_size)
 
     def attention_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                            num_cols: int) -> list[AttentionMetadata]:

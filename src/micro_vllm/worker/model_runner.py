@@ -1,5 +1,5 @@
 """Runs one step on one device: applies the plan to the persistent batch, stages the step's inputs,
-runs the model (through a CUDA graph when the step is all decodes) and samples.
+runs the model (through a CUDA graph when one was captured for a shape the step pads to) and samples.
 
 The runner never sees Request objects: it learns everything from the plan's deltas and keeps the
 rest itself. ``execute_model`` only launches the step: the sampled tokens come back through the
@@ -26,7 +26,7 @@ from micro_vllm.outputs import AsyncModelRunnerOutput, LogprobsLists, ModelRunne
 from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from micro_vllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, max_top_k
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, copy_to_host
-from micro_vllm.worker.cuda_graphs import CudaGraphs, cuda_graph_sizes, pad_decode_batch
+from micro_vllm.worker.cuda_graphs import CudaGraphs, CudaGraphShape, cudagraph_capture_shapes, pad_batch
 from micro_vllm.worker.dummy_run import warm_up
 from micro_vllm.worker.input_batch import InputBatch
 from micro_vllm.worker.input_buffers import InputBuffers
@@ -123,7 +123,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # the last token of each request that samples this step
     sample_rows: np.ndarray  # positions in the step's request order of those requests
     sampling_metadata: SamplingMetadata
-    cuda_graph_size: int | None  # the captured batch the step is padded to and replays; None: eager
+    cuda_graph_shape: CudaGraphShape | None  # the captured shape the step is padded to and replays; None: eager
     prompt_logprobs: list[PromptLogprobsSlice]  # empty unless a request of the step asks for prompt logprobs
     prompt_logprob_targets: torch.Tensor | None  # per step token, the prompt token it predicts (in the slices)
     grammar_bitmask: torch.Tensor | None  # one row per sampling request (structured output); None: none
@@ -183,8 +183,9 @@ class ModelRunner:
         max_reqs, max_tokens = settings.max_num_seqs, max(settings.max_num_batched_tokens, settings.max_num_seqs)
         self.input_batch = InputBatch(max_reqs, settings.max_model_len, [max_blocks] * len(groups), self.vocab_size,
                                       self.device)
-        self.buffers = InputBuffers(layers, self.attn_backend, groups, max_reqs, max_tokens, settings.max_model_len,
-                                    settings.block_size, self.device)
+        # One request slot more than can run, for the dummy prompt that pads a step to a CUDA graph.
+        self.buffers = InputBuffers(layers, self.attn_backend, groups, max_reqs + 1, max_tokens,
+                                    settings.max_model_len, settings.block_size, self.device)
         staged = lambda *shape, dtype=torch.int32: CpuGpuBuffer(shape, dtype, self.device)  # noqa: E731
         self.logits_indices = staged(max_reqs, dtype=torch.int64)
         self.temperature = staged(max_reqs, dtype=torch.float32)
@@ -197,8 +198,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             warm_up(self)
         if settings.use_cuda_graphs:
-            self.cuda_graphs.capture(self.model, self.buffers, cuda_graph_sizes(settings.max_num_seqs),
-                                     settings.max_model_len)
+            shapes = cudagraph_capture_shapes(settings.max_num_seqs, settings.max_num_batched_tokens,
+                                              settings.max_model_len)
+            self.cuda_graphs.capture(self.model, self.buffers, shapes, settings.max_model_len)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -300,7 +302,7 @@ class ModelRunner:
         block_size = self.settings.block_size
         block_index, block_offset = np.divmod(positions, block_size)
         # Only the columns this step's contexts reach are gathered and copied; the rest is never read.
-        num_cols = -(-int(seq_lens.max()) // block_size)
+        num_cols = buffers.num_cols(int(seq_lens.max()))
         for table, block_table, slot_mapping in zip(batch.block_tables, buffers.block_tables, buffers.slot_mappings):
             step_table = block_table.np[:num_reqs, :num_cols]
             step_table[:] = table[rows, :num_cols]
@@ -315,11 +317,15 @@ class ModelRunner:
         prompt_logprobs = []
         if (batch.num_prompt_logprobs[rows] >= 0).any():
             prompt_logprobs = self._plan_prompt_logprobs(req_ids, rows, query_start_loc, num_computed, num_scheduled)
-        graph_size = self.cuda_graphs.size_for(num_reqs, num_tokens)
+        graph_shape = self.cuda_graphs.shape_for(num_reqs, num_tokens)
         padded_reqs, padded_tokens = num_reqs, num_tokens
-        if graph_size is not None:  # the graph reads the step buffers: their rows up to its size
-            pad_decode_batch(buffers, num_reqs, graph_size)
-            padded_reqs = padded_tokens = graph_size
+        if graph_shape is not None:  # the graph reads the step buffers: their rows up to its shape
+            pad_batch(buffers, num_reqs, num_tokens, graph_shape)
+            padded_reqs, padded_tokens = graph_shape.num_reqs, graph_shape.num_tokens
+            # The metadata the graph was captured with, and the dummy requests' contexts.
+            max_query_len = graph_shape.max_query_len
+            max_seq_len = int(buffers.seq_lens.np[:padded_reqs].max())
+            num_cols = buffers.num_cols(max_seq_len)
         inputs = StepInputs(
             batch_rows=rows,
             num_reqs=num_reqs,
@@ -331,7 +337,7 @@ class ModelRunner:
             logits_indices=self.logits_indices.copy_to_device(num_samples),
             sample_rows=sample_rows,
             sampling_metadata=self._sampling_metadata(rows[sample_rows]),
-            cuda_graph_size=graph_size,
+            cuda_graph_shape=graph_shape,
             prompt_logprobs=prompt_logprobs,
             prompt_logprob_targets=self.prompt_logprob_targets.copy_to_device(num_tokens) if prompt_logprobs else None,
             grammar_bitmask=self._grammar_bitmask(plan, req_ids, sample_rows),
@@ -428,8 +434,8 @@ class ModelRunner:
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass: the hidden states of the step's tokens."""
-        if inputs.cuda_graph_size is not None:
-            return self.cuda_graphs.replay(inputs.cuda_graph_size, inputs.num_reqs)
+        if inputs.cuda_graph_shape is not None:
+            return self.cuda_graphs.replay(inputs.cuda_graph_shape, inputs.num_tokens)
         return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> SamplerOutput:

@@ -40,7 +40,11 @@ no bound on ``max_seq_len``: it replays correctly for any context lengths its bl
 needs a fixed ``num_reqs`` (``seq_lens_cpu.shape[0]``) and ``max_query_len == 1``, so pad the batch
 with dummy requests rather than dropping them: a dummy may have no query
 (``query_start_loc[i] == query_start_loc[i + 1]``, it costs nothing) or one query over any
-``seq_len`` its block-table row covers (``seq_len`` 1 on the null block is fine).
+``seq_len`` its block-table row covers (``seq_len`` 1 on the null block is fine). A graph for steps
+with prefill chunks is captured with a ``max_query_len`` that takes the prefill tiles, which have no
+splits and search each program's request: its grid depends on ``num_tokens`` and ``num_reqs`` only, so
+it replays any mix of query lengths up to that bound. Requests without a query own one program each,
+which exits; padding tokens may form a dummy request whose block-table row is the null block.
 """
 
 from __future__ import annotations
