@@ -1,6 +1,6 @@
 """Time the benchmark model's linear layers alone, at the batch sizes a decode step has.
 
-    python benchmarks/gemm_shapes.py [--json results.jsonl]
+    python benchmarks/gemm_shapes.py [--batches 1 8 256] [--json results.jsonl]
 
 Each projection of Qwen3-0.6B (bf16) runs over 28 distinct weight matrices in a row, as the 28
 decoder layers do, so the weights come from HBM and not from L2 (one projection's weights for all
@@ -30,7 +30,6 @@ SHAPES = {
     "down_proj": (INTERMEDIATE, HIDDEN, LAYERS),
     "lm_head": (HIDDEN, QWEN3_0_6B["vocab_size"], 1),
 }
-BATCHES = (8, 32, 64, 128, 256)
 
 
 def time_matmuls(batch: int, in_features: int, out_features: int, count: int) -> float:
@@ -50,11 +49,12 @@ def time_matmuls(batch: int, in_features: int, out_features: int, count: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="append the results as one JSON line to this file")
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64, 128, 256], help="rows per matmul")
     args = parser.parse_args()
     rows = []
     for backend in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(backend)
-        for batch in BATCHES:
+        for batch in args.batches:
             step_us = 0.0
             for name, (in_features, out_features, count) in SHAPES.items():
                 us = time_matmuls(batch, in_features, out_features, count)

@@ -1,9 +1,11 @@
 """Time to first token and time per output token at batch sizes 1, 8 and 64.
 
-    python benchmarks/latency.py [--model DIR] [--prompt-len 512] [--output-len 128]
+    python benchmarks/latency.py [--model DIR] [--prompt-len 512] [--output-len 128] [--profile]
 
 All requests of a batch arrive at once; TTFT is measured from their arrival to the step that
 produced their first token, TPOT over the rest of their tokens. Figures are medians over the batch.
+``--profile`` then shows where one request's time goes: the kernels of its prefill step and of 20 of
+its decode steps (torch.profiler), each with the GPU's busy time against the steps' wall time.
 """
 
 from __future__ import annotations
@@ -46,6 +48,38 @@ def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int) -> dict
     return {"batch_size": batch_size, "ttft_ms": 1000 * statistics.median(ttft), "tpot_ms": 1000 * statistics.median(tpot)}
 
 
+def profile_one_request(llm: LLM, prompt_len: int, decode_steps: int = 20) -> None:
+    """Print the kernel profile of a lone request's prefill step, then of ``decode_steps`` of its
+    decode steps: a step whose GPU busy time is far below its wall time is bound by the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from throughput import gpu_busy
+
+    engine = llm.engine
+    rng = random.Random(-1)  # a prompt no measured batch used, so the prefix cache serves none of it
+    params = SamplingParams(max_tokens=decode_steps + 8, temperature=0, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request(engine.make_request("profile", [rng.randint(0, 10000) for _ in range(prompt_len)], params))
+    for what, steps in ((f"the prefill step of {prompt_len} tokens", 1), (f"{decode_steps} decode steps", decode_steps)):
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            _sync()
+            wall_ms = 1000 * (time.perf_counter() - start)
+        print(f"kernel profile, {what} (batch 1): {wall_ms:.2f} ms of wall time under the profiler")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+        print(gpu_busy(prof.events()))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (default: random Qwen3-0.6B-shaped bf16 model)")
@@ -54,6 +88,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
+    parser.add_argument("--profile", action="store_true", help="then print kernel profiles of one request's steps")
     args = parser.parse_args()
 
     llm = LLM(model=args.model or str(build_random_model()), max_model_len=4096, enforce_eager=args.enforce_eager)
@@ -66,8 +101,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"benchmark": "latency", **vars(args), "rows": rows}) + "\n")
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if args.profile:
+        profile_one_request(llm, args.prompt_len)
+    _sync()
 
 
 if __name__ == "__main__":
