@@ -119,3 +119,36 @@ def test_a_decode_step_padded_to_a_graph_size_stages_dummies_that_write_nowhere(
     assert common.block_table[2:, 0].tolist() == [0, 0]
     assert buffers.input_ids.np[2:4].tolist() == [0, 0] and buffers.positions.np[2:4].tolist() == [0, 0]
     assert metadata.decode_order.tolist() == [1, 0, 2, 3]
+
+
+def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_path):
+    """A step reuses the sampling settings, and writes its fetched tokens into the rows, of the last
+    step only while no row has changed hands: here "a" leaves and "c" takes a row, so the next step
+    samples the same rows as the first, for other requests."""
+    path = make_tiny_model("qwen3", tmp_path)
+    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
+        engine = llm.engine
+        runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
+
+        def add(req_id, prompt, max_tokens, temperature):
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+            engine.add_request(engine.make_request(req_id, prompt, params))
+
+        def step():
+            output = runner.execute_model(scheduler.schedule()).get_output()
+            scheduler.update_from_output(output)
+            return dict(zip(output.req_ids, output.sampled_token_ids))
+
+        add("a", [1, 2, 3], 1, 0.0)
+        add("b", [4, 5, 6, 7], 5, 0.5)
+        step()  # "a" is done: the next plan drops its row
+        add("c", [8, 9], 3, 1.0)
+        sampled = step()
+        settings, batch = runner.sampling_settings, runner.input_batch
+        assert settings.rows.tolist() == [0, 1]  # as in the first step
+        assert [batch.req_ids[row] for row in settings.rows] == ["b", "c"]
+        assert settings.metadata.temperature.tolist() == [0.5, 1.0]
+        step()  # the same rows, none changed hands: the settings are reused, the tokens go to the rows
+        assert runner.sampling_settings is settings
+        assert batch.token_ids[batch.row_of["c"], 2] == sampled["c"][0]
+        assert batch.token_ids[batch.row_of["b"], 5] == sampled["b"][0]

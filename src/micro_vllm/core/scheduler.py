@@ -180,7 +180,8 @@ class Scheduler:
             num_known = request.num_tokens + request.num_output_placeholders
             if num_known >= request.max_num_tokens:  # a step in flight samples its last allowed token
                 continue
-            num_new = min(num_known - request.num_computed_tokens, step.budget, request.max_chunk_tokens)
+            num_computed = request.num_computed_tokens
+            num_new = min(num_known - num_computed, step.budget, request.max_chunk_tokens)
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = running.pop()
@@ -191,7 +192,7 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
             step.cached_req_ids.append(request.request_id)
             step.cached_new_block_ids.append(kv.to_block_ids(new_blocks))
-            step.cached_num_computed_tokens.append(request.num_computed_tokens)
+            step.cached_num_computed_tokens.append(num_computed)
             step.add(request, num_new)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
@@ -318,6 +319,10 @@ class Scheduler:
 class _StepBuilder:
     """What one ``schedule()`` call has decided so far; frozen into the plan at the end."""
 
+    __slots__ = ("budget", "num_tokens", "num_scheduled", "new_reqs", "cached_req_ids", "cached_new_block_ids",
+                 "cached_num_computed_tokens", "preempted", "decode_req_ids", "structured_output_requests",
+                 "prefix_cache_queries", "prefix_cache_hits")
+
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens still free under max_num_batched_tokens
         self.num_tokens = 0  # tokens scheduled
@@ -338,11 +343,11 @@ class _StepBuilder:
         self.num_scheduled[request.request_id] = num_tokens
         self.budget -= num_tokens
         self.num_tokens += num_tokens
-        request.num_computed_tokens += num_tokens
+        num_computed = request.num_computed_tokens = request.num_computed_tokens + num_tokens
         # A decode computes the one token the request sampled last; anything else is prefill.
-        if num_tokens == 1 and request.num_computed_tokens > request.num_prompt_tokens:
+        if num_tokens == 1 and num_computed > request.num_prompt_tokens:
             self.decode_req_ids.append(request.request_id)
-        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+        if num_computed == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
             if request.grammar is not None:
                 self.structured_output_requests.append(request)
