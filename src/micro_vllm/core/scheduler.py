@@ -247,17 +247,20 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None or not token_ids:  # finished or aborted meanwhile, or a middle prompt chunk
                 continue
+            token_id = token_ids[0]
             request.num_output_placeholders -= 1
-            request.append_output_token(token_ids[0])
+            request.append_output_token(token_id)
             if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
-                raise RuntimeError(f"request {request_id!r} sampled token {token_ids[0]}, which its grammar forbids")
-            if request.num_computed_tokens == request.num_tokens:  # a later step computed it already
-                kv.cache_blocks(request, request.num_tokens)
-            preempted = request.status is RequestStatus.PREEMPTED  # while its last token was in flight
-            if self._check_stop(request):
-                finished.append(request)
-                if preempted:
+                raise RuntimeError(f"request {request_id!r} sampled token {token_id}, which its grammar forbids")
+            num_tokens = request.num_tokens
+            if request.num_computed_tokens == num_tokens:  # a later step computed it already
+                kv.cache_blocks(request, num_tokens)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                if request.status is RequestStatus.PREEMPTED:  # while its last token was in flight
                     self.waiting.remove(request)
+                request.status = status
+                finished.append(request)
         if finished:
             # One pass over the running list per step, not one search per finished request.
             finished_ids = {r.request_id for r in finished}
@@ -285,23 +288,20 @@ class Scheduler:
             and leader.num_computed_tokens < leader.num_prompt_tokens
         )
 
-    def _check_stop(self, request: Request) -> bool:
+    @staticmethod
+    def _check_stop(request: Request, last: int) -> RequestStatus | None:
+        """How ``request`` ends now that it sampled ``last``; None while it goes on."""
         params = request.sampling_params
-        last = request.all_token_ids[-1]
         if not params.ignore_eos and last in request.eos_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
+            return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
-            return True
+            return RequestStatus.FINISHED_STOPPED
         if request.grammar is not None and request.grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
+            return RequestStatus.FINISHED_STOPPED
         if request.num_tokens >= request.max_num_tokens:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
