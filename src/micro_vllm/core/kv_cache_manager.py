@@ -162,9 +162,12 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
-        are computed by the step planned last, which confirms them."""
-        if (not self.enable_caching
-                or num_computed_tokens // self.block_size <= self._first_num_cached_blocks.get(request.request_id, 0)):
+        are computed by the step planned last, which confirms them. A block whose last token is
+        still in flight is hashed once its id is known."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= self._first_num_cached_blocks.get(request.request_id, 0):
             return
         for manager in self.managers:
             hashed = manager.cache_blocks(request, num_computed_tokens)
