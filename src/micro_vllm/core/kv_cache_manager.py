@@ -166,8 +166,9 @@ class KVCacheManager:
         still in flight is hashed once its id is known."""
         if not self.enable_caching:
             return
-        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
-        if num_full <= self._first_num_cached_blocks.get(request.request_id, 0):
+        num_hashed = self._first_num_cached_blocks.get(request.request_id, 0)
+        block_size = self.block_size
+        if num_computed_tokens // block_size <= num_hashed or request.num_tokens // block_size <= num_hashed:
             return
         for manager in self.managers:
             hashed = manager.cache_blocks(request, num_computed_tokens)
