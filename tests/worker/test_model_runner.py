@@ -165,11 +165,11 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
         plan = scheduler.schedule()
         assert list(plan.num_scheduled_tokens.values()) == [1, 9]
         runner.apply_fetched_outputs()
-        runner.update_states(plan)
+        rows = runner.update_states(plan)
         req_ids = list(plan.num_scheduled_tokens)
         before = [layer.kv_cache.clone() for layer in layers]
 
-        unpadded = runner.prepare_inputs(plan, req_ids)
+        unpadded = runner.prepare_inputs(plan, req_ids, rows)
         assert unpadded.cuda_graph_shape is None
         expected = runner.model(unpadded.input_ids, unpadded.positions, unpadded.attn_metadata).clone()
         real_slots = unpadded.attn_metadata[0].common.slot_mapping.tolist()
@@ -183,7 +183,7 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
         shape = CudaGraphShape(32, 4)
         assert shape.fits(2, 10)
         monkeypatch.setattr(runner.cuda_graphs, "shape_for", lambda num_reqs, num_tokens: shape)
-        padded = runner.prepare_inputs(plan, req_ids)
+        padded = runner.prepare_inputs(plan, req_ids, rows)
         assert padded.cuda_graph_shape == shape and padded.num_tokens == 10
         common = padded.attn_metadata[0].common
         assert padded.input_ids.shape[0] == 32 and common.num_reqs == 4 and common.max_query_len == 32
@@ -196,3 +196,36 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
         for layer, cache in zip(layers, before):
             written = (layer.kv_cache != cache).flatten(3).any(dim=3).any(dim=0).flatten()  # per slot
             assert torch.nonzero(written).flatten().tolist() == sorted(real_slots)
+
+
+def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_path):
+    """A step reuses the sampling settings, and writes its fetched tokens into the rows, of the last
+    step only while no row has changed hands: here "a" leaves and "c" takes a row, so the next step
+    samples the same rows as the first, for other requests."""
+    path = make_tiny_model("qwen3", tmp_path)
+    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
+        engine = llm.engine
+        runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
+
+        def add(req_id, prompt, max_tokens, temperature):
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+            engine.add_request(engine.make_request(req_id, prompt, params))
+
+        def step():
+            output = runner.execute_model(scheduler.schedule()).get_output()
+            scheduler.update_from_output(output)
+            return dict(zip(output.req_ids, output.sampled_token_ids))
+
+        add("a", [1, 2, 3], 1, 0.0)
+        add("b", [4, 5, 6, 7], 5, 0.5)
+        step()  # "a" is done: the next plan drops its row
+        add("c", [8, 9], 3, 1.0)
+        sampled = step()
+        settings, batch = runner.sampling_settings, runner.input_batch
+        assert settings.rows.tolist() == [0, 1]  # as in the first step
+        assert [batch.req_ids[row] for row in settings.rows] == ["b", "c"]
+        assert settings.metadata.temperature.tolist() == [0.5, 1.0]
+        step()  # the same rows, none changed hands: the settings are reused, the tokens go to the rows
+        assert runner.sampling_settings is settings
+        assert batch.token_ids[batch.row_of["c"], 2] == sampled["c"][0]
+        assert batch.token_ids[batch.row_of["b"], 5] == sampled["b"][0]

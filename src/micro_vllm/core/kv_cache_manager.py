@@ -63,6 +63,11 @@ class KVCacheManager:
         self._no_new_blocks: BlocksPerGroup = [[] for _ in groups]  # read only
         # Without a sliding window no block is ever released before the request ends.
         self._full_attention_only = all(g.spec.sliding_window is None for g in groups)
+        # Every group's table covers the same tokens and every group has hashed the same leading
+        # blocks, so the first group's answers whether a step needs any block or any hash (most
+        # decode steps need neither).
+        self._first_blocks = self.managers[0].req_to_blocks
+        self._first_num_cached_blocks = self.managers[0].num_cached_blocks
         # Per planned step whose output is not applied yet, oldest first: the blocks it hashed, with
         # their hash.
         self.unconfirmed: deque[list[tuple[KVCacheBlock, tuple[bytes, int]]]] = deque()
@@ -133,12 +138,12 @@ class KVCacheManager:
         when the pool cannot hold them; nothing changes then but the sliding windows' cleanup."""
         request_id = request.request_id
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if new_computed_blocks is None and self._full_attention_only:
-            # Every group's table covers the same tokens: when the first's has room, no group needs
-            # a block (most decode steps).
-            if num_tokens <= len(self.managers[0].req_to_blocks[request_id]) * self.block_size:
+        if (new_computed_blocks is None and self._full_attention_only
+                and num_tokens <= len(self._first_blocks[request_id]) * self.block_size):
+            # No group needs a block; only a step that fills one has a hash to register.
+            if num_tokens // self.block_size > self._first_num_cached_blocks.get(request_id, 0):
                 self.cache_blocks(request, num_tokens)
-                return self._no_new_blocks
+            return self._no_new_blocks
         hit = new_computed_blocks or self._no_hit
         needed = 0
         for manager, blocks in zip(self.managers, hit):
@@ -157,12 +162,13 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
-        are computed by the step planned last, which confirms them."""
+        are computed by the step planned last, which confirms them. A block whose last token is
+        still in flight is hashed once its id is known."""
         if not self.enable_caching:
             return
-        # Every group has hashed the same leading blocks: when the first has hashed every block
-        # that ``num_computed_tokens`` fills, so has every group (most steps of a decode).
-        if num_computed_tokens // self.block_size <= self.managers[0].num_cached_blocks.get(request.request_id, 0):
+        num_hashed = self._first_num_cached_blocks.get(request.request_id, 0)
+        block_size = self.block_size
+        if num_computed_tokens // block_size <= num_hashed or request.num_tokens // block_size <= num_hashed:
             return
         for manager in self.managers:
             hashed = manager.cache_blocks(request, num_computed_tokens)

@@ -180,7 +180,8 @@ class Scheduler:
             num_known = request.num_tokens + request.num_output_placeholders
             if num_known >= request.max_num_tokens:  # a step in flight samples its last allowed token
                 continue
-            num_new = min(num_known - request.num_computed_tokens, step.budget, request.max_chunk_tokens)
+            num_computed = request.num_computed_tokens
+            num_new = min(num_known - num_computed, step.budget, request.max_chunk_tokens)
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = running.pop()
@@ -191,7 +192,7 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
             step.cached_req_ids.append(request.request_id)
             step.cached_new_block_ids.append(kv.to_block_ids(new_blocks))
-            step.cached_num_computed_tokens.append(request.num_computed_tokens)
+            step.cached_num_computed_tokens.append(num_computed)
             step.add(request, num_new)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
@@ -246,17 +247,20 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None or not token_ids:  # finished or aborted meanwhile, or a middle prompt chunk
                 continue
+            token_id = token_ids[0]
             request.num_output_placeholders -= 1
-            request.append_output_token(token_ids[0])
+            request.append_output_token(token_id)
             if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
-                raise RuntimeError(f"request {request_id!r} sampled token {token_ids[0]}, which its grammar forbids")
-            if request.num_computed_tokens == request.num_tokens:  # a later step computed it already
-                kv.cache_blocks(request, request.num_tokens)
-            preempted = request.status is RequestStatus.PREEMPTED  # while its last token was in flight
-            if self._check_stop(request):
-                finished.append(request)
-                if preempted:
+                raise RuntimeError(f"request {request_id!r} sampled token {token_id}, which its grammar forbids")
+            num_tokens = request.num_tokens
+            if request.num_computed_tokens == num_tokens:  # a later step computed it already
+                kv.cache_blocks(request, num_tokens)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                if request.status is RequestStatus.PREEMPTED:  # while its last token was in flight
                     self.waiting.remove(request)
+                request.status = status
+                finished.append(request)
         if finished:
             # One pass over the running list per step, not one search per finished request.
             finished_ids = {r.request_id for r in finished}
@@ -284,23 +288,20 @@ class Scheduler:
             and leader.num_computed_tokens < leader.num_prompt_tokens
         )
 
-    def _check_stop(self, request: Request) -> bool:
+    @staticmethod
+    def _check_stop(request: Request, last: int) -> RequestStatus | None:
+        """How ``request`` ends now that it sampled ``last``; None while it goes on."""
         params = request.sampling_params
-        last = request.all_token_ids[-1]
         if not params.ignore_eos and last in request.eos_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
+            return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
-            return True
+            return RequestStatus.FINISHED_STOPPED
         if request.grammar is not None and request.grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
+            return RequestStatus.FINISHED_STOPPED
         if request.num_tokens >= request.max_num_tokens:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -317,6 +318,10 @@ class Scheduler:
 
 class _StepBuilder:
     """What one ``schedule()`` call has decided so far; frozen into the plan at the end."""
+
+    __slots__ = ("budget", "num_tokens", "num_scheduled", "new_reqs", "cached_req_ids", "cached_new_block_ids",
+                 "cached_num_computed_tokens", "preempted", "decode_req_ids", "structured_output_requests",
+                 "prefix_cache_queries", "prefix_cache_hits")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens still free under max_num_batched_tokens
@@ -338,11 +343,11 @@ class _StepBuilder:
         self.num_scheduled[request.request_id] = num_tokens
         self.budget -= num_tokens
         self.num_tokens += num_tokens
-        request.num_computed_tokens += num_tokens
+        num_computed = request.num_computed_tokens = request.num_computed_tokens + num_tokens
         # A decode computes the one token the request sampled last; anything else is prefill.
-        if num_tokens == 1 and request.num_computed_tokens > request.num_prompt_tokens:
+        if num_tokens == 1 and num_computed > request.num_prompt_tokens:
             self.decode_req_ids.append(request.request_id)
-        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+        if num_computed == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
             if request.grammar is not None:
                 self.structured_output_requests.append(request)

@@ -78,6 +78,10 @@ class InputBatch:
                  device: torch.device) -> None:
         self.req_ids: list[str] = []  # row i holds req_ids[i]; rows stay dense
         self.row_of: dict[str, int] = {}
+        # Changes whenever a row may change hands (a request leaves, or the last row moves into its
+        # place): what a step derived from its rows (its sampling settings, where its sampled tokens
+        # go) stays valid while this is unchanged. A new request only ever takes a row past the end.
+        self.rows_version = 0
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int32)  # with those sampled but not yet on the host
@@ -106,6 +110,7 @@ class InputBatch:
         """Drop every row; ``add_request`` writes all of a row's fields again."""
         self.req_ids.clear()
         self.row_of.clear()
+        self.rows_version += 1
 
     def add_request(self, new: NewRequestData) -> None:
         row = len(self.req_ids)
@@ -154,6 +159,7 @@ class InputBatch:
         """Free a row, moving the last row into it so that rows stay dense."""
         row = self.row_of.pop(req_id)
         last = len(self.req_ids) - 1
+        self.rows_version += 1
         if row != last:
             moved = self.req_ids[last]
             self.req_ids[row] = moved

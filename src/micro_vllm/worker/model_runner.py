@@ -11,7 +11,7 @@ fetched them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -58,10 +58,15 @@ class DeviceStepOutput(AsyncModelRunnerOutput):
 
     def __init__(self, req_ids: list[str], sample_rows: np.ndarray, positions: np.ndarray,
                  sampled: SamplerOutput | None, logprobs_rows: np.ndarray | None = None,
-                 prompt_logprobs: dict[str, list[LogprobsTensors]] | None = None) -> None:
+                 prompt_logprobs: dict[str, list[LogprobsTensors]] | None = None,
+                 batch_rows: np.ndarray | None = None, rows_version: int = -1) -> None:
         self.req_ids = req_ids
         self.sample_rows = sample_rows  # in the step's request order
         self.positions = positions  # where each sampled token goes in its request's token ids
+        # The persistent-batch row of each sampled token's request, valid while the batch's
+        # rows_version is still ``rows_version``.
+        self.batch_rows = batch_rows
+        self.rows_version = rows_version
         # On the device; the next step reads it for its decodes.
         self.sampled = None if sampled is None else sampled.sampled_token_ids
         self.fetched = sampled is None
@@ -112,6 +117,19 @@ class PromptLogprobsSlice:
     completes: bool
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What the sampling rows of a step ask for, as staged on the device. A row's settings never
+    change, so a later step that samples the same rows while no row has changed hands reuses them
+    (most decode steps)."""
+
+    rows_version: int  # the batch's rows_version then
+    rows: np.ndarray  # the batch rows that sample, in the step's order
+    metadata: SamplingMetadata  # without the fields of one step (seeds, logits processors' inputs)
+    uses_processors: bool  # a row uses a logits processor
+    seeded_rows: np.ndarray  # the positions in ``rows`` of those with a seed of their own
+
+
 @dataclass
 class StepInputs:
     batch_rows: np.ndarray  # the persistent-batch row of each request, in the step's order
@@ -151,6 +169,7 @@ class ModelRunner:
         # step is queued before its forward pass, so the wait never covers GPU compute.
         self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.last_output: DeviceStepOutput | None = None  # the step launched last
+        self.sampling_settings: SamplingSettings | None = None  # those of the rows the last step sampled
         self.unapplied: list[DeviceStepOutput] = []  # launched steps whose tokens token_ids lacks
 
     # -- set-up --------------------------------------------------------------------------------
@@ -216,11 +235,11 @@ class ModelRunner:
     def execute_model(self, plan: SchedulerOutput) -> DeviceStepOutput:
         """Launch the plan's step; its tokens arrive through the returned handle."""
         self.apply_fetched_outputs()
-        self.update_states(plan)
+        rows = self.update_states(plan)
         req_ids = list(plan.num_scheduled_tokens)
         if plan.is_empty:
             return DeviceStepOutput(req_ids, np.empty(0, np.int64), np.empty(0, np.int64), None)
-        inputs = self.prepare_inputs(plan, req_ids)
+        inputs = self.prepare_inputs(plan, req_ids, rows)
         hidden_states = self.run_model(inputs)
         sampled = self.sample(hidden_states, inputs)
         prompt_logprobs = self.compute_prompt_logprobs(hidden_states, inputs) if inputs.prompt_logprobs else None
@@ -239,48 +258,58 @@ class ModelRunner:
         batch.last_sample_index.fill(-1)
         batch.last_sample_index[sample_rows] = np.arange(len(sample_rows))
         self.last_output = DeviceStepOutput(req_ids, inputs.sample_rows, positions, sampled, logprobs_rows,
-                                            prompt_logprobs)
+                                            prompt_logprobs, sample_rows, batch.rows_version)
         self.unapplied.append(self.last_output)
         return self.last_output
 
     def apply_fetched_outputs(self) -> None:
         """Write the tokens of the steps whose output the engine has fetched since into the
-        persistent batch, by request id: rows may have moved, and a request that finished or was
-        preempted meanwhile is gone."""
+        persistent batch: into the rows the step ran in while no row has changed hands since, else
+        by request id (rows may have moved, and a request that finished or was preempted meanwhile
+        is gone)."""
         batch = self.input_batch
         for output in [o for o in self.unapplied if o.fetched]:
             self.unapplied.remove(output)
+            tokens = output.host.numpy()
+            if output.rows_version == batch.rows_version:
+                batch.token_ids[output.batch_rows, output.positions] = tokens
+                continue
             req_ids, row_of = output.req_ids, batch.row_of
             rows = np.array([row_of.get(req_ids[i], -1) for i in output.sample_rows.tolist()], np.int64)
             present = rows >= 0
-            batch.token_ids[rows[present], output.positions[present]] = output.host.numpy()[present]
+            batch.token_ids[rows[present], output.positions[present]] = tokens[present]
 
-    def update_states(self, plan: SchedulerOutput) -> None:
-        """Apply the plan's deltas to the persistent batch: requests that left, new ones, progress."""
+    def update_states(self, plan: SchedulerOutput) -> np.ndarray:
+        """Apply the plan's deltas to the persistent batch: requests that left, new ones, progress.
+        Returns the batch row of each request of the step, in the step's order (the requests the
+        batch held, then the new ones)."""
         batch = self.input_batch
         for req_id in plan.finished_req_ids | plan.preempted_req_ids:
             if req_id in batch.row_of:
                 batch.remove_request(req_id)
             self.in_progress_prompt_logprobs.pop(req_id, None)  # a preempted request computes its prompt anew
+        first_new_row = len(batch)
         for new in plan.scheduled_new_reqs:
             batch.add_request(new)
         cached = plan.scheduled_cached_reqs
+        row_of = batch.row_of
+        rows = np.array([row_of[req_id] for req_id in cached.req_ids], np.int64)
         if cached.req_ids:
-            row_of = batch.row_of
-            rows = [row_of[req_id] for req_id in cached.req_ids]
             batch.num_computed_tokens[rows] = cached.num_computed_tokens
-            for row, block_ids in zip(rows, cached.new_block_ids):
+            for row, block_ids in zip(rows.tolist(), cached.new_block_ids):
                 if block_ids is not None:  # most decodes get no new block
                     batch.append_block_ids(row, block_ids)
+        if plan.scheduled_new_reqs:
+            rows = np.concatenate([rows, np.arange(first_new_row, len(batch))])
+        return rows
 
-    def prepare_inputs(self, plan: SchedulerOutput, req_ids: list[str]) -> StepInputs:
-        """Stage the step's inputs on the host and copy them to the device without blocking."""
+    def prepare_inputs(self, plan: SchedulerOutput, req_ids: list[str], rows: np.ndarray) -> StepInputs:
+        """Stage the step's inputs on the host and copy them to the device without blocking;
+        ``rows``: the batch row of each of ``req_ids``."""
         if self.copies_done is not None:
             self.copies_done.synchronize()
         batch, buffers = self.input_batch, self.buffers
         num_reqs = len(req_ids)
-        row_of = batch.row_of
-        rows = np.array([row_of[req_id] for req_id in req_ids], np.int64)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int32, num_reqs)
         query_start_loc = buffers.query_start_loc.np[: num_reqs + 1]
         query_start_loc[0] = 0
@@ -389,8 +418,31 @@ class ModelRunner:
         return input_ids
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """The sampling settings of the persistent-batch ``rows`` that sample this step."""
+        """The sampling inputs of the persistent-batch ``rows`` that sample this step: the rows'
+        settings, and what changes from step to step (logits processors' inputs, seeds)."""
         batch = self.input_batch
+        settings = self._sampling_settings(rows)
+        metadata = replace(settings.metadata)  # the step's own fields are set on this copy
+        if settings.uses_processors:
+            last = self.last_output
+            last_sampled = last.sampled if last is not None and last in self.unapplied else None
+            metadata.logits_processors = batch.logits_processors_metadata(rows, last_sampled)
+        # A seeded row's randomness depends only on (seed, output position): it survives preemption
+        # and does not depend on what else is in the batch.
+        seeded = settings.seeded_rows
+        positions = batch.num_tokens[rows[seeded]] - batch.num_prompt_tokens[rows[seeded]]  # this token's
+        self.sampler.add_row_seeds(metadata, {
+            int(i): hash((int(batch.seed[rows[i]]), int(p))) & (2**63 - 1) for i, p in zip(seeded, positions)
+        })
+        return metadata
+
+    def _sampling_settings(self, rows: np.ndarray) -> SamplingSettings:
+        """The settings of ``rows``, staged and copied to the device; those of the last step when it
+        sampled the same rows and no row has changed hands since."""
+        batch = self.input_batch
+        last = self.sampling_settings
+        if last is not None and last.rows_version == batch.rows_version and np.array_equal(last.rows, rows):
+            return last
         n = len(rows)
         temperature = np.take(batch.temperature, rows, out=self.temperature.np[:n])
         top_k = np.take(batch.top_k, rows, out=self.top_k.np[:n])
@@ -407,18 +459,10 @@ class ModelRunner:
         )
         if (np.take(batch.min_p, rows, out=self.min_p.np[:n]) > 0).any():
             metadata.min_p = self.min_p.copy_to_device(n)
-        if batch.uses_processors[rows].any():
-            last = self.last_output
-            last_sampled = last.sampled if last is not None and last in self.unapplied else None
-            metadata.logits_processors = batch.logits_processors_metadata(rows, last_sampled)
-        # A seeded row's randomness depends only on (seed, output position): it survives preemption
-        # and does not depend on what else is in the batch.
-        seeded = np.flatnonzero(batch.seed[rows] >= 0)
-        positions = batch.num_tokens[rows[seeded]] - batch.num_prompt_tokens[rows[seeded]]  # this token's
-        self.sampler.add_row_seeds(metadata, {
-            int(i): hash((int(batch.seed[rows[i]]), int(p))) & (2**63 - 1) for i, p in zip(seeded, positions)
-        })
-        return metadata
+        self.sampling_settings = SamplingSettings(batch.rows_version, rows.copy(), metadata,
+                                                  bool(batch.uses_processors[rows].any()),
+                                                  np.flatnonzero(batch.seed[rows] >= 0))
+        return self.sampling_settings
 
     @staticmethod
     def _grammar_bitmask(plan: SchedulerOutput, req_ids: list[str], sample_rows: np.ndarray) -> torch.Tensor | None:
