@@ -1,7 +1,8 @@
 """The engine on a CUDA device, end to end (marked gpu; skipped without CUDA).
 
-* fp32: greedy outputs identical to transformers on the same GPU (TF32 off), for every family,
-  both attention backends, block sizes 16 and 32, chunked prefill forced, and under preemption.
+* fp32: greedy outputs identical to transformers on the same GPU (TF32 off), for every family on
+  triton, block size 32 and the sdpa backend on the families whose paging they meet differently,
+  chunked prefill forced, and under preemption.
 * bf16: identical to transformers up to the first near tie of transformers' own logits, and never
   different where its top two logits are far apart (the tolerance is stated in gpu_helpers.py).
 * CUDA graphs on vs off, chunked prefill on vs off, prefix caching on vs off: the same greedy
@@ -16,6 +17,14 @@ The tiny models are the random ones of tiny_models.py, made bigger (hidden 256, 
 head sizes 64 and 128, GQA ratios 1, 2 and 4, sliding windows and two KV cache groups all occur.
 Their embeddings are untied: with tied unit-scale embeddings the residual stream keeps the input
 token's embedding and the model only repeats its last token, which no attention bug would change.
+
+Most of this file's time is engine start-up: Triton compiles the kernel variants of every new
+(dtype, head size, GQA ratio, block size, window) and each engine captures a CUDA graph per decode
+batch size up to max_num_seqs. So tests share engines through the ``shared_engine`` fixture (one
+engine per family and settings for the whole module), the engines run at most 16 requests (five
+graphs) unless a test needs more, and a case is parametrized only where it reaches code the others
+do not. A new test that can use an engine built with the same settings asks ``shared_engine`` for
+it, and puts back whatever it changes on it.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ pytestmark = [
 DEVICE = "cuda"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # bench_model, throughput
 MAX_MODEL_LEN = 256  # = max_position_embeddings of the tiny models
+MAX_NUM_SEQS = 16  # graphs for 1, 2, 4, 8 and 16 decodes: sizes of both kinds (powers of two, multiples of 16)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 _SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, tie_word_embeddings=False)
@@ -98,7 +108,7 @@ def engine_settings(**overrides) -> dict:
         attention_backend="triton",
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=64,
-        max_num_seqs=64,
+        max_num_seqs=MAX_NUM_SEQS,
         block_size=16,
     )
     settings.update(overrides)
@@ -186,15 +196,18 @@ def refs(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def bf16_engine(model_dirs):
-    """One engine per family with our bf16 defaults (triton, CUDA graphs, chunked prefill, prefix
-    caching), shared by the tests that compare against it."""
+def shared_engine(model_dirs):
+    """``shared_engine(family, **overrides)``: the module's engine for this family with
+    ``engine_settings(**overrides)``, built on first use. A test that changes something on it (a
+    patched method, the prefix cache it relies on) puts it back."""
     engines: dict[str, LLM] = {}
 
-    def get(family: str) -> LLM:
-        if family not in engines:
-            engines[family] = LLM(model=str(model_dirs[family]), **engine_settings())
-        return engines[family]
+    def get(family: str, **overrides) -> LLM:
+        settings = engine_settings(**overrides)
+        key = f"{family} {sorted(settings.items())}"
+        if key not in engines:
+            engines[key] = LLM(model=str(model_dirs[family]), **settings)
+        return engines[key]
 
     yield get
     for llm in engines.values():
@@ -203,9 +216,14 @@ def bf16_engine(model_dirs):
     _release()
 
 
-# -- the benchmark model, with default settings (first, while nothing else holds GPU memory) -----
+# -- the benchmark model, with default settings ----------------------------------------------------
+
+# The two tests that size their KV cache from gpu_memory_utilization, a share of the whole GPU, run one
+# after the other when test processes share the GPU (pytest-xdist's --dist loadgroup).
+SIZED_FROM_GPU_MEMORY = pytest.mark.xdist_group("sized-from-gpu-memory")
 
 
+@SIZED_FROM_GPU_MEMORY
 def test_benchmark_model_runs_with_default_settings(tmp_path):
     """The Qwen3-0.6B-shaped random model (2 layers) on defaults: bf16, triton, CUDA graphs, and a
     KV cache sized from gpu_memory_utilization after the profiling run."""
@@ -214,6 +232,11 @@ def test_benchmark_model_runs_with_default_settings(tmp_path):
     path = build_random_model(tmp_path / "qwen3-0.6b-2-layers", num_hidden_layers=2)
     _release()
     utilization = 0.3
+    # The engine's share is of the whole GPU: what the GPU holds already (engines of earlier tests,
+    # other test processes) comes out of it.
+    free, total = torch.cuda.mem_get_info()
+    budget = utilization * total - (total - free)
+    reserved_before = torch.cuda.memory_reserved()
     llm = LLM(model=str(path), gpu_memory_utilization=utilization)
     try:
         runner = runner_of(llm)
@@ -223,12 +246,11 @@ def test_benchmark_model_runs_with_default_settings(tmp_path):
         assert settings.attention_backend == "triton"
         assert runner.cuda_graphs.graphs, "CUDA graphs are on by default on CUDA"
 
-        _, total = torch.cuda.mem_get_info()
         kv_bytes = llm.engine.num_blocks * runner.kv_cache_bytes_per_block()
         assert llm.engine.num_blocks > 0
         # The weights (~0.35 GB) and the profiled activations (~1 GB) come out of the budget; the
-        # KV cache takes the rest, so it is most of it, and never more.
-        assert 0.5 * utilization * total <= kv_bytes <= utilization * total, (kv_bytes, total)
+        # KV cache takes the rest, so it is most of it, and never more than the share.
+        assert 0.5 * budget <= kv_bytes <= utilization * total, (kv_bytes, budget, total)
 
         rng = random.Random(0)
         lengths, max_tokens = [3, 50, 700, 2500], [1, 7, 33, 64]
@@ -243,13 +265,32 @@ def test_benchmark_model_runs_with_default_settings(tmp_path):
         assert all(0 <= t < QWEN3_0_6B["vocab_size"] for o in outputs for t in o.outputs[0].token_ids)
 
         torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        # Everything this process holds stays near the budget: CUDA graph pools and step buffers
-        # come after the sizing, so allow a little over.
-        assert total - free <= utilization * total + 2 * 2**30, (total - free, total)
+        # Everything the engine allocated (weights, KV cache, CUDA graph pools, step buffers) stays
+        # near the budget: graph pools and step buffers come after the sizing, so allow a little over.
+        held = torch.cuda.memory_reserved() - reserved_before
+        assert held <= budget + 2 * 2**30, (held, budget)
     finally:
         llm.shutdown()
         _release()
+
+
+# -- start-up compilation -----------------------------------------------------------------------
+
+
+def test_serving_compiles_no_triton_kernel(model_dirs):
+    """Start-up (warm-up steps and graph capture) compiles every Triton kernel variant that serving
+    needs: a lone long prompt, chunked prompts beside decodes, short prompts and decode batches of
+    any size then compile nothing. Block size 32 in bf16 is no other test's, so no other engine of
+    this process has compiled these attention variants already (which would hide a gap in start-up)."""
+    from throughput import triton_compilations
+
+    for family in ("qwen3", "mistral"):
+        with engine(model_dirs[family], block_size=32) as llm:
+            compiled = triton_compilations()
+            llm.generate([_prompts([200], seed=6)[0]], greedy(3), use_tqdm=False)
+            llm.generate(PROMPTS + GRAPH_PROMPTS[:20], greedy(12), use_tqdm=False)
+            llm.generate(_prompts([3, 5, 2], seed=7), greedy(2), use_tqdm=False)
+            assert triton_compilations() == compiled, f"{family}: serving compiled Triton kernels"
 
 
 # -- fp32: identical to transformers -----------------------------------------------------------
@@ -263,23 +304,29 @@ def _assert_matches_reference(outputs, references: list[Reference], what: str) -
         assert agreement.error is None, agreement.error
 
 
-# Every family on the default backend at both block sizes; sdpa (its slow twin) at one.
-FP32_CASES = [(f, "triton", bs) for f in MODELS for bs in (16, 32)] + [(f, "sdpa", 16) for f in MODELS]
+# fp32 with a 24-token budget, which chunks every prompt longer than that and mixes chunks with
+# decodes, and four running requests at most, so requests queue and rows of the persistent batch move.
+FP32 = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=4)
+
+# Every family on the default backend. Block size 32 where blocks meet what a family adds to the
+# paging: a window of 24, no multiple of either block size (mistral), and two KV cache groups
+# (qwen3_sliding). sdpa, the slow twin, on one KV head per query head, a window with GQA, and two groups.
+FP32_CASES = sorted(
+    [(family, "triton", 16) for family in MODELS]
+    + [(family, "triton", 32) for family in ("mistral", "qwen3_sliding")]
+    + [(family, "sdpa", 16) for family in ("llama", "mistral", "qwen3_sliding")],
+    key=lambda case: list(MODELS).index(case[0]),  # a family's cases together: they share its references
+)
 
 
 @pytest.mark.parametrize("family, backend, block_size", FP32_CASES)
-def test_fp32_greedy_matches_transformers(family, backend, block_size, model_dirs, refs):
+def test_fp32_greedy_matches_transformers(family, backend, block_size, refs, shared_engine):
     """fp32 on the GPU, TF32 off: our greedy tokens are transformers' (a difference is excused only
-    at a top-two gap below 2^-13 of the largest logit, i.e. an exact tie for practical purposes).
-    A 24-token budget chunks every prompt longer than that and mixes chunks with decodes; four
-    running requests at most, so requests queue and rows of the persistent batch move."""
+    at a top-two gap below 2^-13 of the largest logit, i.e. an exact tie for practical purposes)."""
     references = refs.greedy(family, torch.float32)
-    with engine(
-        model_dirs[family], dtype="float32", attention_backend=backend, block_size=block_size,
-        max_num_batched_tokens=24, max_num_seqs=4,
-    ) as llm:
-        outputs = llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
-        check_all_free(llm.engine.scheduler)
+    llm = shared_engine(family, **FP32, attention_backend=backend, block_size=block_size)
+    outputs = llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
+    check_all_free(llm.engine.scheduler)
     _assert_matches_reference(outputs, references, f"{family}/{backend}/block {block_size}")
 
 
@@ -288,9 +335,7 @@ def test_fp32_greedy_matches_transformers_under_preemption(model_dirs, refs):
     and the tokens do not change."""
     family = "llama"
     references = refs.greedy(family, torch.float32)
-    with engine(
-        model_dirs[family], dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, num_blocks=16
-    ) as llm:
+    with engine(model_dirs[family], **FP32, num_blocks=16) as llm:
         scheduler = llm.engine.scheduler
         preempt, preemptions = scheduler._preempt, []
 
@@ -308,12 +353,12 @@ def test_fp32_greedy_matches_transformers_under_preemption(model_dirs, refs):
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-def test_bf16_greedy_matches_transformers_up_to_near_ties(family, refs, bf16_engine):
+def test_bf16_greedy_matches_transformers_up_to_near_ties(family, refs, shared_engine):
     """bf16 with our defaults (triton, CUDA graphs, chunked prefill) against transformers in bf16,
     step by step: the same tokens until the first position where transformers' two best logits are
     within the bf16 tolerance of gpu_helpers.py (BF16_TIE_ULPS), and no difference anywhere else."""
     references = refs.greedy(family, torch.bfloat16)
-    outputs = bf16_engine(family).generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
+    outputs = shared_engine(family).generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
     compared = 0
     for i, (prompt, output, reference) in enumerate(zip(PROMPTS, outputs, references)):
         assert output.prompt_token_ids == prompt and output.outputs[0].finish_reason == "length"
@@ -329,8 +374,16 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties(family, refs, bf16_eng
 # -- head sizes -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+# Every shape in fp32, where any difference is a bug. In bf16 (the families' head sizes 64 and 128
+# are bf16 in the tests above) the smallest padded head, one padded to 128 and the widest.
+GRID_CASES = [(shape, "float32") for shape in SHAPES] + [
+    (shape, "bfloat16") for shape in SHAPES if shape[1] in (12, 80, 256)
+]
+
+
+@pytest.mark.parametrize(
+    "shape, dtype", GRID_CASES, ids=[f"{shape_id(shape)}-{dtype}" for shape, dtype in GRID_CASES]
+)
 def test_head_size_grid_matches_transformers(shape, dtype, tmp_path):
     """The triton backend (with the fused ops and CUDA graphs) on heads padded inside the kernels
     and on the widest it serves: greedy tokens of transformers, up to the near-tie rule of dtype."""
@@ -338,7 +391,7 @@ def test_head_size_grid_matches_transformers(shape, dtype, tmp_path):
     reference_model = load_hf(path, DTYPES[dtype], DEVICE)
     references = [hf_greedy(reference_model, prompt, NUM_TOKENS) for prompt in PROMPTS]
     del reference_model
-    with engine(path, dtype=dtype, max_num_batched_tokens=24, max_num_seqs=4) as llm:
+    with engine(path, **dict(FP32, dtype=dtype)) as llm:
         assert runner_of(llm).settings.attention_backend == "triton"
         outputs = llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
     _assert_matches_reference(outputs, references, f"{shape_id(shape)}/{dtype}")
@@ -379,8 +432,8 @@ class GraphReplays:
         self.runner.cuda_graphs.graphs.update(self._saved_graphs)
 
 
-# 33 requests that finish at different times, so decode batches shrink from 33 to 1 through
-# several captured sizes (1, 2, 4, 8, 16, 32, 48, 64) and are padded to the next one on the way;
+# 33 requests that finish at different times, 16 of them running at once, so decode batches shrink
+# from 16 to 1 through the captured sizes (1, 2, 4, 8, 16) and are padded to the next one on the way;
 # their prompts, chunked by the budget of 64 tokens, make steps with prefill chunks beside decodes.
 GRAPH_PROMPTS = _prompts([random.Random(i).randint(2, 60) for i in range(33)], seed=1)
 GRAPH_MAX_TOKENS = [4 + (7 * i) % 45 for i in range(33)]
@@ -388,25 +441,24 @@ GRAPH_MAX_TOKENS = [4 + (7 * i) % 45 for i in range(33)]
 
 @pytest.mark.parametrize(
     "family,dtype",
-    [("llama", "bfloat16"), ("mistral", "bfloat16"), ("qwen3_sliding", "bfloat16"), ("qwen3", "float32")],
+    [("qwen3", "bfloat16"), ("mistral", "bfloat16"), ("qwen3_sliding", "bfloat16"), ("llama", "float32")],
 )
-def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, bf16_engine):
+def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, shared_engine):
     """Steps replayed from CUDA graphs (padded to the next captured shape), decode batches and steps
     with prefill chunks alike, give the tokens of the same engine with enforce_eager=True, whose
     steps all run eagerly."""
     params = [greedy(m) for m in GRAPH_MAX_TOKENS]
-    shared = dtype == "bfloat16"
-    with contextlib.ExitStack() as stack:
-        graphs = bf16_engine(family) if shared else stack.enter_context(engine(model_dirs[family], dtype=dtype))
-        runner = runner_of(graphs)
-        assert runner.cuda_graphs.graphs, "no CUDA graphs were captured with enforce_eager=False on CUDA"
-        decode_sizes = [shape.num_reqs for shape in runner.cuda_graphs.graphs if shape.uniform_decode]
-        assert min(decode_sizes) == 1 and max(decode_sizes) == 64  # up to max_num_seqs
-        replays = GraphReplays(runner)
-        try:
-            with_graphs = token_ids(graphs.generate(GRAPH_PROMPTS, params, use_tqdm=False))
-        finally:
-            replays.restore()
+    graphs = shared_engine(family, dtype=dtype)
+    graphs.reset_prefix_cache()  # prompts computed in full, as in the eager engine
+    runner = runner_of(graphs)
+    assert runner.cuda_graphs.graphs, "no CUDA graphs were captured with enforce_eager=False on CUDA"
+    decode_sizes = [shape.num_reqs for shape in runner.cuda_graphs.graphs if shape.uniform_decode]
+    assert min(decode_sizes) == 1 and max(decode_sizes) == MAX_NUM_SEQS
+    replays = GraphReplays(runner)
+    try:
+        with_graphs = token_ids(graphs.generate(GRAPH_PROMPTS, params, use_tqdm=False))
+    finally:
+        replays.restore()
     with engine(model_dirs[family], dtype=dtype, enforce_eager=True) as eager:
         assert not runner_of(eager).cuda_graphs.graphs
         without = token_ids(eager.generate(GRAPH_PROMPTS, params, use_tqdm=False))
@@ -429,12 +481,14 @@ SHARED_PROMPTS = [_PREFIX + s for s in _prompts([1, 5, 9, 17, 30, 2, 40, 11], se
 SHARED_TOKENS = 32
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_sliding"])
-def test_chunked_prefill_and_prefix_caching_keep_greedy_outputs(family, model_dirs, refs, bf16_engine):
+# The window of every layer (mistral), and a full-attention group beside a window group (qwen3_sliding),
+# whose cache hits are the shorter of the two groups' hits.
+@pytest.mark.parametrize("family", ["mistral", "qwen3_sliding"])
+def test_chunked_prefill_and_prefix_caching_keep_greedy_outputs(family, model_dirs, refs, shared_engine):
     """bf16, triton, CUDA graphs. The shared engine chunks prompts (64-token budget) and caches
     prefixes; against it: whole prompts in one step (chunked prefill off) and no prefix cache."""
     params = greedy(SHARED_TOKENS)
-    base = bf16_engine(family)
+    base = shared_engine(family)
     first = base.generate(SHARED_PROMPTS, params, use_tqdm=False)
     second = base.generate(SHARED_PROMPTS, params, use_tqdm=False)  # every prompt's blocks are cached now
     assert all(o.num_cached_tokens >= 16 for o in second), [o.num_cached_tokens for o in second]
@@ -459,7 +513,7 @@ def test_chunked_prefill_and_prefix_caching_keep_greedy_outputs(family, model_di
 
 
 @pytest.mark.parametrize("filters", [dict(top_p=0.9, top_k=20), {}], ids=["top-k-top-p", "temperature-only"])
-def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs, filters):
+def test_seeded_sampling_does_not_depend_on_the_batch(shared_engine, filters):
     """Same seed, same tokens, alone or in any batch, on the GPU sampler with CUDA graphs. With
     temperature only, the request alone takes the sampler kernels' unfiltered route and in the crowd
     (which has top-k / top-p rows) the filtered route: the draws must agree. In fp32: a seeded
@@ -474,12 +528,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs, filters):
         SamplingParams(max_tokens=5, temperature=0.5, top_k=3, ignore_eos=True),
     ]
     mine = PROMPTS[3]
-    with engine(model_dirs["mistral"], dtype="float32", max_num_seqs=8) as llm:
-        alone = llm.generate([mine], seeded, use_tqdm=False)[0].outputs[0].token_ids
-        crowd = [PROMPTS[0], PROMPTS[5], mine, PROMPTS[6], PROMPTS[1]]
-        crowded = llm.generate(crowd, others[:2] + [seeded] + others[2:], use_tqdm=False)
-        twins = llm.generate([mine, PROMPTS[4], mine], [seeded, others[2], seeded], use_tqdm=False)
-        reseeded = llm.generate([mine], dataclasses.replace(seeded, seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    llm = shared_engine("mistral", **FP32)  # four running: the crowd's last request waits for a row
+    alone = llm.generate([mine], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = [PROMPTS[0], PROMPTS[5], mine, PROMPTS[6], PROMPTS[1]]
+    crowded = llm.generate(crowd, others[:2] + [seeded] + others[2:], use_tqdm=False)
+    twins = llm.generate([mine, PROMPTS[4], mine], [seeded, others[2], seeded], use_tqdm=False)
+    reseeded = llm.generate([mine], dataclasses.replace(seeded, seed=99), use_tqdm=False)[0].outputs[0].token_ids
     assert len(alone) == 24
     assert crowded[2].outputs[0].token_ids == alone
     assert twins[0].outputs[0].token_ids == twins[2].outputs[0].token_ids == alone
@@ -489,24 +543,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs, filters):
 # -- async scheduling ---------------------------------------------------------------------------
 
 
-def test_async_scheduling_matches_the_synchronous_loop(model_dirs):
+def test_async_scheduling_matches_the_synchronous_loop(shared_engine):
     """fp32, triton, CUDA graphs. With async scheduling (the default) a decode takes the token the
     step before sampled straight from the device; the tokens must be those of the synchronous loop,
     also for requests that stop early (a stop token) while their next step is already planned."""
-    family = "qwen3"
     prompts = GRAPH_PROMPTS
-    with engine(model_dirs[family], dtype="float32", async_scheduling=False) as sync:
-        free = token_ids(sync.generate(prompts, [greedy(m) for m in GRAPH_MAX_TOKENS], use_tqdm=False))
-        # Every third request stops at its third token.
-        params = [
-            dataclasses.replace(greedy(m), ignore_eos=False, stop_token_ids=[t[2]]) if i % 3 == 0 and m > 3 else greedy(m)
-            for i, (m, t) in enumerate(zip(GRAPH_MAX_TOKENS, free))
-        ]
-        expected = sync.generate(prompts, params, use_tqdm=False)
-    with engine(model_dirs[family], dtype="float32") as planned_ahead:
-        assert planned_ahead.engine.config.scheduler_config.async_scheduling
-        outputs = planned_ahead.generate(prompts, params, use_tqdm=False)
-        assert not planned_ahead.engine.in_flight
+    sync = shared_engine("llama", dtype="float32", async_scheduling=False)
+    planned_ahead = shared_engine("llama", dtype="float32")
+    for llm in (sync, planned_ahead):
+        llm.reset_prefix_cache()  # no hits from earlier tests' runs of these prompts
+    free = token_ids(sync.generate(prompts, [greedy(m) for m in GRAPH_MAX_TOKENS], use_tqdm=False))
+    # Every third request stops at its third token.
+    params = [
+        dataclasses.replace(greedy(m), ignore_eos=False, stop_token_ids=[t[2]]) if i % 3 == 0 and m > 3 else greedy(m)
+        for i, (m, t) in enumerate(zip(GRAPH_MAX_TOKENS, free))
+    ]
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    assert planned_ahead.engine.config.scheduler_config.async_scheduling
+    outputs = planned_ahead.generate(prompts, params, use_tqdm=False)
+    assert not planned_ahead.engine.in_flight
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs] == [
         (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in expected
     ]
@@ -514,49 +569,31 @@ def test_async_scheduling_matches_the_synchronous_loop(model_dirs):
     assert len(stopped) >= 5 and all(len(o.outputs[0].token_ids) <= 3 for o in stopped)
 
 
-# -- start-up compilation -----------------------------------------------------------------------
-
-
-def test_serving_compiles_no_triton_kernel(model_dirs):
-    """Start-up (warm-up steps and graph capture) compiles every Triton kernel variant that serving
-    needs: a lone long prompt, chunked prompts beside decodes, short prompts and decode batches of
-    any size then compile nothing."""
-    from throughput import triton_compilations
-
-    for family in ("qwen3", "mistral"):
-        with engine(model_dirs[family], max_model_len=MAX_MODEL_LEN) as llm:
-            compiled = triton_compilations()
-            llm.generate([_prompts([200], seed=6)[0]], greedy(3), use_tqdm=False)
-            llm.generate(PROMPTS + GRAPH_PROMPTS[:20], greedy(12), use_tqdm=False)
-            llm.generate(_prompts([3, 5, 2], seed=7), greedy(2), use_tqdm=False)
-            assert triton_compilations() == compiled, f"{family}: serving compiled Triton kernels"
-
-
 # -- pinned step buffers ------------------------------------------------------------------------
 
 
-def test_step_inputs_survive_a_gpu_that_runs_behind(model_dirs, refs):
+def test_step_inputs_survive_a_gpu_that_runs_behind(refs, shared_engine, monkeypatch):
     """The runner fills pinned host buffers and copies them to the device without blocking, and
     reuses the buffers the next step. That is safe only if a step cannot overwrite them before the
     GPU has run the previous step's copies. Steps that sample nothing (chunks of a long prompt) end
     without reading anything back, so here a GPU sleep queued before every step keeps the GPU behind
     the host: the tokens must still be transformers' (fp32), as in an undisturbed run."""
     family = "llama"
-    prompt = _prompts([200], seed=5)[0]  # 13 chunks of 16 tokens; only the last one samples
+    prompt = _prompts([200], seed=5)[0]  # 9 chunks of at most 24 tokens; only the last one samples
     reference = hf_greedy(refs.model(family, torch.float32), prompt, 8)
-    with engine(
-        model_dirs[family], dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False
-    ) as llm:
-        undisturbed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
-        executor = llm.engine.executor
-        execute = executor.execute_model
+    llm = shared_engine(family, **FP32)
+    llm.reset_prefix_cache()  # every chunk computed, in both runs
+    undisturbed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    executor = llm.engine.executor
+    execute = executor.execute_model
 
-        def behind(plan):
-            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time queued ahead of this step's copies
-            return execute(plan)
+    def behind(plan):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time queued ahead of this step's copies
+        return execute(plan)
 
-        executor.execute_model = behind
-        delayed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(executor, "execute_model", behind)
+    assert llm.reset_prefix_cache()
+    delayed = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     for what, tokens in (("undisturbed", undisturbed), ("GPU behind the host", delayed)):
         agreement = check_greedy_agreement(tokens, reference.tokens, reference, what)
         assert agreement.error is None, agreement.error
@@ -567,6 +604,7 @@ def test_step_inputs_survive_a_gpu_that_runs_behind(model_dirs, refs):
 
 
 @pytest.mark.real_model
+@SIZED_FROM_GPU_MEMORY
 def test_structured_output_on_cuda():
     """The default model on CUDA with its defaults (bf16, CUDA graphs, async scheduling, the Triton
     sampler): under their grammars, greedy and seeded outputs of every schema, regex, choice and
@@ -609,7 +647,7 @@ def _sampling_api_requests() -> list[tuple[list[int], SamplingParams]]:
     return [(prompt, p) for prompt, p in zip(GRAPH_PROMPTS, params)]
 
 
-def test_sampling_api_matches_the_synchronous_loop_and_the_cpu(model_dirs):
+def test_sampling_api_matches_the_synchronous_loop_and_the_cpu(model_dirs, shared_engine):
     """fp32, triton, CUDA graphs, the Triton sampler: penalties (device token counts), bad words (the
     newest token compared on the device), min_tokens, logit_bias, allowed ids, min-p, logprobs and
     prompt logprobs, n > 1 and structured output give with async scheduling exactly the tokens and
@@ -621,17 +659,20 @@ def test_sampling_api_matches_the_synchronous_loop_and_the_cpu(model_dirs):
     requests = _sampling_api_requests()
     prompts, params = [p for p, _ in requests], [s for _, s in requests]
 
-    def run(**overrides):
-        with engine(model_dirs["llama"], dtype="float32", **overrides) as llm:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            check_all_free(llm.engine.scheduler)
-            return outputs
+    def run(llm: LLM):
+        llm.reset_prefix_cache()  # every prompt computed in full, as the CPU engine's
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        check_all_free(llm.engine.scheduler)
+        return outputs
 
     def tokens(outputs):
         return [[c.token_ids for c in o.outputs] for o in outputs]
 
-    planned_ahead, sync = run(), run(async_scheduling=False)
-    cpu = run(device="cpu", attention_backend="sdpa", custom_ops=["none"], enforce_eager=True)
+    planned_ahead = run(shared_engine("llama", dtype="float32"))
+    sync = run(shared_engine("llama", dtype="float32", async_scheduling=False))
+    with engine(model_dirs["llama"], dtype="float32", device="cpu", attention_backend="sdpa", custom_ops=["none"],
+                enforce_eager=True) as cpu_engine:
+        cpu = run(cpu_engine)
     assert tokens(planned_ahead) == tokens(sync)
     # Seeded rows draw from Philox on the GPU and from torch generators on the CPU: only the greedy
     # rows are the CPU's.

@@ -21,12 +21,18 @@ def patch_triton_interpreter() -> None:
     * ``libdevice`` functions are device code, which it cannot call: ``libdevice.exp`` (the kernels'
       ``expf``) becomes ``tl.exp``, which the interpreter computes with numpy in fp32.
 
+    And one for speed: every call of a ``@triton.jit`` helper inside a kernel patches the language
+    modules again, the very patches the launch made (a scan of every member of ``triton.language``),
+    which took a third of the sampler's and the attention's interpreted time. Within a launch they
+    are made once per module.
+
     Each patch applies once, to the interpreter only, and is harmless once fixed upstream.
     """
     _patch_once(interpreter, "_patch_lang_tensor", _index_by_item)
     _patch_once(interpreter.InterpreterBuilder, "create_dot", _widen_bf16_operands)
     _patch_once(interpreter.InterpreterBuilder, "cast_impl", _round_fp32_to_bf16)
     _patch_once(libdevice, "exp", lambda original: lambda x: tl.exp(x))
+    _patch_once(interpreter, "_patch_lang", _patch_languages_once_per_launch)
 
 
 def _patch_once(owner, name: str, make_patch) -> None:
@@ -70,5 +76,35 @@ def _round_fp32_to_bf16(cast_impl):
         is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
         data = np.where(is_nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
         return interpreter.TensorHandle(data, tl.bfloat16)
+
+    return patch
+
+
+def _patch_languages_once_per_launch(patch_lang):
+    # Which of the language modules (tl, tl.core) the launch under way has patched; empty between
+    # launches. A kernel launch patches what its kernel's globals hold and undoes it at its end; a
+    # helper called inside it needs only the modules its own globals hold.
+    patched: set[str] = set()
+
+    def languages(fn) -> set[str]:
+        modules = fn.__globals__.values()
+        return {name for name, module in (("tl", tl), ("tl.core", tl.core)) if any(m is module for m in modules)}
+
+    def patch(fn):
+        needed = languages(fn)
+        if patched and needed <= patched:  # a helper inside the launch: nothing left to patch
+            return interpreter._LangPatchScope()
+        launch = not patched
+        scope = patch_lang(fn)
+        patched.update(needed)
+        if launch:  # the launch's own scope: its end starts the next launch afresh
+            restore = scope.restore
+
+            def restore_and_forget() -> None:
+                patched.clear()
+                restore()
+
+            scope.restore = restore_and_forget
+        return scope
 
     return patch
