@@ -186,12 +186,14 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
     group = num_heads // num_kv_heads  # query heads per KV head
     if q_len == 1:
         # Query head h reads KV head h // group, so each (request, KV head) holds `group` query rows.
-        q = query.reshape(num_reqs * num_kv_heads, group, head_size)
-        k, v = k.flatten(0, 1), v.flatten(0, 1)
+        # In fp32 whatever the model's dtype (a no-op for fp32 models), as the reference backend.
+        q = query.reshape(num_reqs * num_kv_heads, group, head_size).float()
+        k, v = k.flatten(0, 1).float(), v.flatten(0, 1).float()
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
         if batch.mask is not None:
             scores += batch.mask
-        return torch.bmm(scores.softmax(dim=-1), v).view(num_reqs, num_heads, head_size)
+        out = torch.bmm(scores.softmax(dim=-1), v).to(query.dtype)
+        return out.view(num_reqs, num_heads, head_size)
     # Each KV head's query heads stacked along the query axis, so one call serves GQA without
     # repeating K/V: [R, kv_heads, group * q_len, d].
     q = query.view(num_reqs, q_len, num_kv_heads, group, head_size)
