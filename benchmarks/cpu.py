@@ -7,7 +7,9 @@
 Both sides get the same chat-templated prompts, decode greedily with EOS on, and count useful tokens:
 each prompt's output up to and including its first EOS (transformers' padded batch keeps producing
 padding after a row ends; micro-vLLM stops the request). transformers runs its plain padded batch
-(left padding), as a user would call it. ``--single`` times one prompt that ignores EOS on both
+(left padding), as a user would call it. Each batched run also reports the CPU seconds the process
+spent in it: on a machine shared with other work, the wall clock of a one-thread run stretches with
+the load, its CPU time much less. ``--single`` times one prompt that ignores EOS on both
 sides: time to the first token, then time per output token over the rest.
 """
 
@@ -81,6 +83,13 @@ def run_transformers(model, prompts, max_tokens: int, eos: set[int], pad_token_i
     return sum(useful_tokens(row, set() if ignore_eos else eos) for row in generated), seconds
 
 
+def with_cpu_time(run, *args):
+    """``run(*args)`` and the CPU seconds this process spent in it."""
+    start = time.process_time()
+    result = run(*args)
+    return result, time.process_time() - start
+
+
 def time_per_output_token(run, max_tokens: int) -> tuple[float, float]:
     """TTFT and TPOT of one prompt, from a one-token run and a ``max_tokens`` run (both ignore EOS)."""
     _, first = run(1)
@@ -139,14 +148,18 @@ def compare(args) -> dict:
                   f"{1e3 * m_tpot:.2f} ms; transformers TTFT {1e3 * h_ttft:.1f} ms, TPOT {1e3 * h_tpot:.2f} ms; "
                   f"transformers TPOT / micro-vLLM TPOT = {h_tpot / m_tpot:.2f}x")
         else:
-            (m_tokens, m_s), (h_tokens, h_s) = micro(args.max_tokens), hf(args.max_tokens)
-            ratio = (m_tokens / m_s) / (h_tokens / h_s)
-            row = {"micro_vllm": {"useful_tokens": m_tokens, "seconds": round(m_s, 2), "tok_per_s": round(m_tokens / m_s, 1)},
-                   "transformers": {"useful_tokens": h_tokens, "seconds": round(h_s, 2), "tok_per_s": round(h_tokens / h_s, 1)},
-                   "ratio": round(ratio, 2)}
+            ((m_tokens, m_s), m_cpu), ((h_tokens, h_s), h_cpu) = \
+                with_cpu_time(micro, args.max_tokens), with_cpu_time(hf, args.max_tokens)
+            ratio, cpu_ratio = (m_tokens / m_s) / (h_tokens / h_s), (m_tokens / m_cpu) / (h_tokens / h_cpu)
+            row = {"micro_vllm": {"useful_tokens": m_tokens, "seconds": round(m_s, 2), "tok_per_s": round(m_tokens / m_s, 1),
+                                  "cpu_seconds": round(m_cpu, 2)},
+                   "transformers": {"useful_tokens": h_tokens, "seconds": round(h_s, 2), "tok_per_s": round(h_tokens / h_s, 1),
+                                    "cpu_seconds": round(h_cpu, 2)},
+                   "ratio": round(ratio, 2), "cpu_ratio": round(cpu_ratio, 2)}
             print(f"{len(prompts)} prompts x up to {args.max_tokens} tokens: micro-vLLM {m_tokens} tokens in "
-                  f"{m_s:.2f} s = {m_tokens / m_s:.1f} tok/s; transformers {h_tokens} tokens in {h_s:.2f} s = "
-                  f"{h_tokens / h_s:.1f} tok/s; ratio {ratio:.2f}x")
+                  f"{m_s:.2f} s = {m_tokens / m_s:.1f} tok/s ({m_cpu:.2f} CPU s); transformers {h_tokens} tokens "
+                  f"in {h_s:.2f} s = {h_tokens / h_s:.1f} tok/s ({h_cpu:.2f} CPU s); ratio {ratio:.2f}x, "
+                  f"by CPU time {cpu_ratio:.2f}x")
         runs.append(row)
     llm.shutdown()
     return {"threads": torch.get_num_threads(), "runs": runs}

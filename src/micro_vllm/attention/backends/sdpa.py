@@ -5,8 +5,12 @@ to the longest chunk), so a step that mixes both does not pad every decode to a 
 each batch, the positions every layer reads (the flat cache slot of each request's keys, the query
 rows, the causal and sliding-window mask) are computed once per step by the KV cache group's metadata
 builder and read by the group's layers; a layer then runs one gather of its K/V and one attention call
-per batch, with no per-request Python. The slots the step's K/V are written to are likewise sorted
-out once per step (``KVWrites``), so a layer's write is one copy per cache tensor.
+per batch, with no per-request Python. The gather lays K/V out head by head, [requests, KV heads,
+keys, head size], so each (request, KV head) is one contiguous matrix: decodes (one query per request,
+a group of query heads per KV head) multiply them in two batched matmuls, which on CPU cost less than
+``scaled_dot_product_attention``'s blocked kernel at a few queries per head. The slots the step's K/V
+are written to are likewise sorted out once per step (``KVWrites``), so a layer's write is one copy
+per cache tensor.
 """
 
 from __future__ import annotations
@@ -35,18 +39,21 @@ class PaddedBatch:
     num_queries: int
     num_keys: int
     query_rows: torch.Tensor  # int64 [R * num_queries]: each query slot's token row (padding: a valid row)
-    kv_slots: torch.Tensor  # int64 [R * num_keys]: each key slot's flat cache slot
-    # bool [R, 1, group * num_queries (1 for decodes: it broadcasts), num_keys]: True where a query
-    # slot sees a key slot; None where every query slot sees every key slot
+    # int64 [R * kv_heads * num_keys]: each (request, KV head, key slot)'s row in the cache seen as
+    # [slots * kv_heads, head_size]
+    kv_rows: torch.Tensor
+    # Prefill chunks: bool [R, 1, group * num_queries, num_keys], True where a query slot sees a key
+    # slot. Decodes: float [R * kv_heads, 1, num_keys], 0 where the query sees the key and -inf
+    # elsewhere (added to the scores). None where every query slot sees every key slot.
     mask: torch.Tensor | None
     real_slots: torch.Tensor  # int64 [tokens of these requests]: the query slots holding real tokens
     token_rows: torch.Tensor  # int64 [tokens of these requests]: their token rows, in the same order
 
 
 def padded_batch(metadata: CommonAttentionMetadata, requests_cpu: torch.Tensor, block_size: int,
-                 sliding_window: int | None, group: int) -> PaddedBatch:
+                 sliding_window: int | None, num_kv_heads: int, group: int) -> PaddedBatch:
     """The padded layout of ``requests_cpu`` (indices into the step's requests), for layers with
-    ``group`` query heads per KV head."""
+    ``num_kv_heads`` KV heads and ``group`` query heads per KV head."""
     device = metadata.seq_lens.device
     requests = requests_cpu.to(device)
     starts_cpu = metadata.query_start_loc_cpu.long()
@@ -72,15 +79,23 @@ def padded_batch(metadata: CommonAttentionMetadata, requests_cpu: torch.Tensor, 
     read_pos = torch.minimum(key_pos, seq_lens - 1)
     blocks = metadata.block_table[requests].long().gather(1, read_pos // block_size)
     kv_slots = blocks * block_size + read_pos % block_size
+    heads = torch.arange(num_kv_heads, device=device)[None, :, None]
+    kv_rows = (kv_slots[:, None, :] * num_kv_heads + heads).flatten()  # [R, kv_heads, K]
 
     mask = (key_pos[:, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
     if sliding_window is not None:
         mask &= key_pos[:, None, :] > query_pos[:, :, None] - sliding_window
-    if num_queries > 1:  # as the queries are laid out: each KV head's query heads one after another
-        mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(requests_cpu), group * num_queries, num_keys)
+    num_reqs = len(requests_cpu)
+    if bool(mask.all()):
+        mask = None
+    elif num_queries == 1:  # one score row per (request, KV head): the batched matmuls' layout
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~mask, float("-inf"))
+        mask = bias.repeat_interleave(num_kv_heads, dim=0)
+    else:  # as the queries are laid out: each KV head's query heads one after another
+        mask = mask[:, None].expand(-1, group, -1, -1).reshape(num_reqs, group * num_queries, num_keys)[:, None]
     real_slots = is_real.flatten().nonzero().squeeze(1)
-    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_slots.flatten(),
-                       None if bool(mask.all()) else mask[:, None], real_slots, query_rows.flatten()[real_slots])
+    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_rows, mask, real_slots,
+                       query_rows.flatten()[real_slots])
 
 
 def _first_visible_key(seq_lens: torch.Tensor, query_lens: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -129,7 +144,8 @@ class SdpaMetadataBuilder(AttentionMetadataBuilder):
         query_lens = starts[1:] - starts[:-1]
         group = self.num_heads // self.spec.num_kv_heads  # query heads per KV head
         batches = [padded_batch(common, selected.nonzero().squeeze(1), self.block_size, self.spec.sliding_window,
-                                group) for selected in (query_lens == 1, query_lens > 1) if selected.any()]
+                                self.spec.num_kv_heads, group)
+                   for selected in (query_lens == 1, query_lens > 1) if selected.any()]
         decodes_only = bool((query_lens == 1).all()) and common.slot_mapping.shape[0] == common.num_reqs
         return SdpaMetadata(common, batches, KVWrites.of(common.slot_mapping), decodes_only)
 
@@ -146,8 +162,7 @@ class SdpaBackend(AttentionBackend):
         return self.forward(query, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
 
     def forward(self, query, kv_cache, metadata: SdpaMetadata, *, scale, sliding_window):
-        num_kv_heads, head_size = kv_cache.shape[-2:]
-        keys, values = kv_cache.view(2, -1, num_kv_heads, head_size)
+        keys, values = kv_cache.view(2, -1, kv_cache.shape[-1])  # one row per (slot, KV head)
         if metadata.decodes_only:
             return _attend(query, keys, values, metadata.batches[0], scale)
         output = torch.empty_like(query)
@@ -160,18 +175,29 @@ class SdpaBackend(AttentionBackend):
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: PaddedBatch,
             scale: float) -> torch.Tensor:
     """One attention call over ``batch``, its query slots' rows given in ``query`` [R * num_queries,
-    heads, d]; returns the output in the same layout."""
+    heads, d]; returns the output in the same layout. ``keys`` and ``values`` are the cache's rows,
+    [slots * kv_heads, d]."""
     num_heads, head_size = query.shape[1:]
-    num_kv_heads = keys.shape[1]
-    group = num_heads // num_kv_heads  # query heads per KV head
     q_len, k_len = batch.num_queries, batch.num_keys
+    num_reqs = query.shape[0] // q_len
+    k = keys.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
+    v = values.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads  # query heads per KV head
+    if q_len == 1:
+        # Query head h reads KV head h // group, so each (request, KV head) holds `group` query rows.
+        # In fp32 whatever the model's dtype (a no-op for fp32 models), as the reference backend.
+        q = query.reshape(num_reqs * num_kv_heads, group, head_size).float()
+        k, v = k.flatten(0, 1).float(), v.flatten(0, 1).float()
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+        if batch.mask is not None:
+            scores += batch.mask
+        out = torch.bmm(scores.softmax(dim=-1), v).to(query.dtype)
+        return out.view(num_reqs, num_heads, head_size)
     # Each KV head's query heads stacked along the query axis, so one call serves GQA without
     # repeating K/V: [R, kv_heads, group * q_len, d].
-    q = query.view(-1, q_len, num_kv_heads, group, head_size)
-    num_reqs = q.shape[0]
+    q = query.view(num_reqs, q_len, num_kv_heads, group, head_size)
     q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * q_len, head_size)
-    k = keys.index_select(0, batch.kv_slots).view(num_reqs, k_len, num_kv_heads, head_size).transpose(1, 2)
-    v = values.index_select(0, batch.kv_slots).view(num_reqs, k_len, num_kv_heads, head_size).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, q_len, head_size).permute(0, 3, 1, 2, 4)
     return out.reshape(num_reqs * q_len, num_heads, head_size)
