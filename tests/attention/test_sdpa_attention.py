@@ -107,3 +107,23 @@ def test_decode_steps_skip_the_gather_and_the_mask(rng: random.Random, requests,
     metadata = sdpa_metadata(batch, window)
     assert metadata.decodes_only and (metadata.batches[0].mask is None) == unmasked
     check_sdpa_against_reference(batch, window)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: f"H{s[0]}-KV{s[1]}-D{s[2]}-B{s[3]}-w{s[4]}")
+def test_bf16_decodes_compute_as_the_reference(rng: random.Random, shape) -> None:
+    """bf16 decodes attend in fp32, as the reference backend does, so the two differ by less than one
+    step of bf16's spacing (a rounding at the last bit), not by bf16 arithmetic's errors."""
+    num_heads, num_kv_heads, head_size, block_size, window = shape
+    scale = head_size ** -0.5
+    for _ in range(4):
+        requests = random_requests(rng, 16, 0, max_context=8 * block_size, max_chunk=1)
+        batch = make_batch(rng, requests, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                           block_size=block_size, dtype=torch.bfloat16, sliding_window=window, device="cpu")
+        expected = get_backend_cls("reference")().forward(batch.query, batch.clean_cache, batch.metadata,
+                                                          scale=scale, sliding_window=window)
+        out = get_backend_cls("sdpa")().forward(batch.query, batch.kv_cache, sdpa_metadata(batch, window),
+                                                scale=scale, sliding_window=window)
+        n = batch.metadata.common.num_actual_tokens
+        assert out.dtype == torch.bfloat16
+        spacing = torch.finfo(torch.bfloat16).eps * expected[:n].float().abs().clamp_min(1e-3)
+        assert ((out[:n].float() - expected[:n].float()).abs() <= spacing).all()
