@@ -57,6 +57,13 @@ def test_response_format_and_structured_outputs():
                                              response_format={"type": "json_object"}), room=50)
 
 
+def test_logit_bias_is_clamped_to_openais_range_and_nan_refused():
+    params = to_sampling_params(CompletionRequest(prompt="x", logit_bias={"5": 150.0, "6": -1e9, "7": -3.5}), room=50)
+    assert params.logit_bias == {5: 100.0, 6: -100.0, 7: -3.5}
+    with pytest.raises(ValueError, match="logit_bias="):
+        to_sampling_params(CompletionRequest(prompt="x", logit_bias={"5": float("nan")}), room=50)
+
+
 def test_bad_values_are_refused_by_sampling_params():
     with pytest.raises(ValueError, match="top_p=2.0 is not allowed"):
         to_sampling_params(CompletionRequest(prompt="x", top_p=2), room=50)

@@ -7,6 +7,7 @@ by ``SamplingParams``, whose errors name the field and the value.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal, Union
 
@@ -149,13 +150,19 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, room:
 
 
 def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
-    """JSON keys are strings; the engine takes token ids."""
+    """JSON keys are strings; the engine takes token ids. Biases past OpenAI's [-100, 100] are clamped
+    to it, as OpenAI's and vLLM's servers do (the engine itself refuses them)."""
     if not logit_bias:
         return None
     try:
-        return {int(token_id): bias for token_id, bias in logit_bias.items()}
+        return {int(token_id): _clamp(bias, -100.0, 100.0) for token_id, bias in logit_bias.items()}
     except ValueError:
         raise ValueError(f"logit_bias={logit_bias!r} is not allowed; its keys must be token ids") from None
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    """``value`` within [low, high]; NaN stays NaN, for the engine's check to refuse."""
+    return min(max(value, low), high) if not math.isnan(value) else value
 
 
 def _structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
