@@ -1,9 +1,12 @@
 """Time to first token and time per output token at batch sizes 1, 8 and 64.
 
-    python benchmarks/latency.py [--model DIR] [--prompt-len 512] [--output-len 128] [--profile]
+    python benchmarks/latency.py [--model DIR] [--prompt-len 512] [--output-len 128] [--repeat N] [--profile]
 
 All requests of a batch arrive at once; TTFT is measured from their arrival to the step that
 produced their first token, TPOT over the rest of their tokens. Figures are medians over the batch.
+The first run of the batch sizes is the one ``../shared/peers``' vLLM side repeats; ``--repeat`` runs
+them again on other prompts (none served from the prefix cache), which shows whether the first
+steps of a process are slower than later ones.
 ``--profile`` then shows where one request's time goes: the kernels of its prefill step and of 20 of
 its decode steps (torch.profiler), each with the GPU's busy time against the steps' wall time.
 """
@@ -22,13 +25,14 @@ from bench_model import build_random_model
 from micro_vllm import LLM, RequestOutputKind, SamplingParams
 
 
-def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int) -> dict[str, float]:
+def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int, run: int = 0) -> dict[str, float]:
     engine = llm.engine
-    rng = random.Random(batch_size)
+    rng = random.Random(batch_size if run == 0 else f"{batch_size}-{run}")
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     requests = [
-        engine.make_request(f"latency-{batch_size}-{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
+        engine.make_request(f"latency-{batch_size}-{run}-{i}", [rng.randint(0, 10000) for _ in range(prompt_len)],
+                            params)
         for i in range(batch_size)
     ]
     first_token, finished = {}, {}
@@ -45,7 +49,8 @@ def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int) -> dict
             finished[output.request_id] = now - start
     ttft = [first_token[r.request_id] for r in requests]
     tpot = [(finished[r.request_id] - first_token[r.request_id]) / (output_len - 1) for r in requests]
-    return {"batch_size": batch_size, "ttft_ms": 1000 * statistics.median(ttft), "tpot_ms": 1000 * statistics.median(tpot)}
+    return {"batch_size": batch_size, "run": run, "ttft_ms": 1000 * statistics.median(ttft),
+            "tpot_ms": 1000 * statistics.median(tpot)}
 
 
 def profile_one_request(llm: LLM, prompt_len: int, decode_steps: int = 20) -> None:
@@ -87,6 +92,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of all the batch sizes, each on new prompts")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     parser.add_argument("--profile", action="store_true", help="then print kernel profiles of one request's steps")
     args = parser.parse_args()
@@ -94,10 +100,11 @@ def main() -> None:
     llm = LLM(model=args.model or str(build_random_model()), max_model_len=4096, enforce_eager=args.enforce_eager)
     measure(llm, 1, 16, 8)  # warm-up
     rows = []
-    for batch_size in args.batch_sizes:
-        row = measure(llm, batch_size, args.prompt_len, args.output_len)
-        rows.append(row)
-        print(f"batch {batch_size:3d}: TTFT {row['ttft_ms']:8.1f} ms   TPOT {row['tpot_ms']:6.2f} ms")
+    for run in range(args.repeat):
+        for batch_size in args.batch_sizes:
+            row = measure(llm, batch_size, args.prompt_len, args.output_len, run)
+            rows.append(row)
+            print(f"run {run + 1}, batch {batch_size:3d}: TTFT {row['ttft_ms']:8.1f} ms   TPOT {row['tpot_ms']:6.2f} ms")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"benchmark": "latency", **vars(args), "rows": rows}) + "\n")

@@ -46,8 +46,10 @@ def results_table(lines: list[str]) -> str:
                 rows.append(f"| gemm shapes | {blas}, batch {batch} | {total:,.0f} us per step: {each} |")
         elif record["benchmark"] == "latency":
             for row in record["rows"]:
+                again = f", run {row['run'] + 1}" if row.get("run", 0) else ""  # --repeat's later runs
                 rows.append(f"| latency | batch {row['batch_size']}, prompt {record['prompt_len']}, "
-                            f"output {record['output_len']} | TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms |")
+                            f"output {record['output_len']}{again} | TTFT {row['ttft_ms']:.1f} ms, "
+                            f"TPOT {row['tpot_ms']:.2f} ms |")
     return "\n".join(rows)
 
 

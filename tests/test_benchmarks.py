@@ -159,7 +159,8 @@ def test_results_table_has_a_row_per_measurement():
         "compare_transformers": {"requests": 16, "output_tokens": 2048, "seconds": 14.654},
     })
     latency_line = json.dumps({"benchmark": "latency", "prompt_len": 512, "output_len": 128,
-                               "rows": [{"batch_size": 1, "ttft_ms": 17.8, "tpot_ms": 1.791}]})
+                               "rows": [{"batch_size": 1, "run": 0, "ttft_ms": 17.8, "tpot_ms": 1.791},
+                                        {"batch_size": 1, "run": 1, "ttft_ms": 9.1, "tpot_ms": 1.702}]})
     sweep_line = json.dumps({"benchmark": "attention_sweep", "rows": [
         {"batch": "decode", "tiles": {"block_m": 16, "tile_n": 64, "num_warps": 8, "num_stages": 3},
          "ms": 0.2, "TB/s": 3.0, "max_abs_diff": 0.0},
@@ -172,11 +173,12 @@ def test_results_table_has_a_row_per_measurement():
     assert table[2] == "| throughput | --custom-ops=none,+sampler | 14,279 output tok/s (133,966 tokens in 9.382 s, 1,033 steps) |"
     assert table[3].startswith("| transformers, 16 requests | same process | 140 output tok/s")
     assert table[4] == "| latency | batch 1, prompt 512, output 128 | TTFT 17.8 ms, TPOT 1.79 ms |"
-    assert table[5] == "| attention sweep | decode: 16 x 64 tiles, 8 warps, 3 stages, auto splits | 200.0 us, 3.00 TB/s |"
-    assert table[6] == "| attention sweep | decode 64: 16 x 128 tiles, 4 warps, 3 stages, 2 splits | 100.0 us, 2.50 TB/s |"
-    assert table[7] == ("| gemm shapes | cublas, batch 8 | 202 us per step: o_proj 4.0 us (1.05 TB/s), "
+    assert table[5] == "| latency | batch 1, prompt 512, output 128, run 2 | TTFT 9.1 ms, TPOT 1.70 ms |"
+    assert table[6] == "| attention sweep | decode: 16 x 64 tiles, 8 warps, 3 stages, auto splits | 200.0 us, 3.00 TB/s |"
+    assert table[7] == "| attention sweep | decode 64: 16 x 128 tiles, 4 warps, 3 stages, 2 splits | 100.0 us, 2.50 TB/s |"
+    assert table[8] == ("| gemm shapes | cublas, batch 8 | 202 us per step: o_proj 4.0 us (1.05 TB/s), "
                         "lm_head 90.0 us (3.46 TB/s) |")
-    assert len(table) == 8
+    assert len(table) == 9
 
 
 def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatch):
