@@ -140,9 +140,8 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if (new_computed_blocks is None and self._full_attention_only
                 and num_tokens <= len(self._first_blocks[request_id]) * self.block_size):
-            # No group needs a block; only a step that fills one has a hash to register.
-            if num_tokens // self.block_size > self._first_num_cached_blocks.get(request_id, 0):
-                self.cache_blocks(request, num_tokens)
+            # No group needs a block (cache_blocks hashes one only when the step fills it).
+            self.cache_blocks(request, num_tokens)
             return self._no_new_blocks
         hit = new_computed_blocks or self._no_hit
         needed = 0

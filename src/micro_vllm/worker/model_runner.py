@@ -332,7 +332,8 @@ class ModelRunner:
         block_size = self.settings.block_size
         block_index, block_offset = np.divmod(positions, block_size)
         # Only the columns this step's contexts reach are gathered and copied; the rest is never read.
-        num_cols = buffers.num_cols(int(seq_lens.max()))
+        max_seq_len = int(seq_lens.max())
+        num_cols = buffers.num_cols(max_seq_len)
         for table, block_table, slot_mapping in zip(batch.block_tables, buffers.block_tables, buffers.slot_mappings):
             step_table = block_table.np[:num_reqs, :num_cols]
             step_table[:] = table[rows, :num_cols]
@@ -343,7 +344,7 @@ class ModelRunner:
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[rows])[0]
         num_samples = len(sample_rows)
         np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
-        max_query_len, max_seq_len = int(num_scheduled.max()), int(seq_lens.max())
+        max_query_len = int(num_scheduled.max())
         prompt_logprobs = []
         if (batch.num_prompt_logprobs[rows] >= 0).any():
             prompt_logprobs = self._plan_prompt_logprobs(req_ids, rows, query_start_loc, num_computed, num_scheduled)
