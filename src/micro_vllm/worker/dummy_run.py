@@ -42,21 +42,12 @@ def warm_up(runner: ModelRunner) -> None:
     chunks take its decode tiles. Steps that replay a CUDA graph are compiled when it is captured
     (each capture runs its step once first). The largest step also leaves the allocator holding
     blocks of a full step's activation sizes, so the first long prefill steps do not wait for the
-    allocator (``refill_allocator`` does it again after the graphs are captured)."""
-    settings = runner.settings
-    refill_allocator(runner)
-    dummy_step(runner, np.array([min(settings.max_num_batched_tokens, settings.max_model_len)], np.int32))
-    dummy_step(runner, np.full(min(settings.max_num_seqs, settings.max_num_batched_tokens // 2, 8), 2, np.int32))
-
-
-@torch.inference_mode()
-def refill_allocator(runner: ModelRunner) -> None:
-    """Run the largest step the scheduler can plan, so that PyTorch's caching allocator holds blocks
-    of its activation sizes. Capturing a CUDA graph empties that cache (``torch.cuda.graph`` frees
-    every unused block first), so the runner runs this again once its graphs are captured."""
+    allocator."""
     settings = runner.settings
     dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
                                           settings.max_model_len))
+    dummy_step(runner, np.array([min(settings.max_num_batched_tokens, settings.max_model_len)], np.int32))
+    dummy_step(runner, np.full(min(settings.max_num_seqs, settings.max_num_batched_tokens // 2, 8), 2, np.int32))
 
 
 def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:

@@ -27,7 +27,7 @@ from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gath
 from micro_vllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, max_top_k
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, copy_to_host
 from micro_vllm.worker.cuda_graphs import CudaGraphs, CudaGraphShape, cudagraph_capture_shapes, pad_batch
-from micro_vllm.worker.dummy_run import refill_allocator, warm_up
+from micro_vllm.worker.dummy_run import warm_up
 from micro_vllm.worker.input_batch import InputBatch
 from micro_vllm.worker.input_buffers import InputBuffers
 
@@ -220,7 +220,6 @@ class ModelRunner:
             shapes = cudagraph_capture_shapes(settings.max_num_seqs, settings.max_num_batched_tokens,
                                               settings.max_model_len)
             self.cuda_graphs.capture(self.model, self.buffers, shapes, settings.max_model_len)
-            refill_allocator(self)
 
     # -- one step ------------------------------------------------------------------------------
 
