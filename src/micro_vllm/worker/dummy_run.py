@@ -42,7 +42,8 @@ def warm_up(runner: ModelRunner) -> None:
     chunks take its decode tiles. Steps that replay a CUDA graph are compiled when it is captured
     (each capture runs its step once first). The largest step also leaves the allocator holding
     blocks of a full step's activation sizes, so the first long prefill steps do not wait for the
-    allocator."""
+    allocator; but only where no CUDA graph is captured after it, since each capture empties that
+    cache (``torch.cuda.graph``)."""
     settings = runner.settings
     dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
                                           settings.max_model_len))
