@@ -19,9 +19,8 @@ import random
 import statistics
 import time
 
-import torch
-
 from bench_model import build_random_model
+from throughput import gpu_busy, sync
 from micro_vllm import LLM, RequestOutputKind, SamplingParams
 
 
@@ -58,31 +57,24 @@ def profile_one_request(llm: LLM, prompt_len: int, decode_steps: int = 20) -> No
     decode steps: a step whose GPU busy time is far below its wall time is bound by the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    from throughput import gpu_busy
-
     engine = llm.engine
     rng = random.Random(-1)  # a prompt no measured batch used, so the prefix cache serves none of it
     params = SamplingParams(max_tokens=decode_steps + 8, temperature=0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     engine.add_request(engine.make_request("profile", [rng.randint(0, 10000) for _ in range(prompt_len)], params))
     for what, steps in ((f"the prefill step of {prompt_len} tokens", 1), (f"{decode_steps} decode steps", decode_steps)):
-        _sync()
+        sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
-            _sync()
+            sync()
             wall_ms = 1000 * (time.perf_counter() - start)
         print(f"kernel profile, {what} (batch 1): {wall_ms:.2f} ms of wall time under the profiler")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
         print(gpu_busy(prof.events()))
     while engine.has_unfinished_requests():
         engine.step()
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -110,7 +102,7 @@ def main() -> None:
             f.write(json.dumps({"benchmark": "latency", **vars(args), "rows": rows}) + "\n")
     if args.profile:
         profile_one_request(llm, args.prompt_len)
-    _sync()
+    sync()
 
 
 if __name__ == "__main__":

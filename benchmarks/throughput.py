@@ -35,10 +35,10 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float,
     replaces them. Returns output tokens, seconds, and prompt tokens the prefix cache served."""
     params = [recipe_params(n, temperature, sampling_params) for n in max_tokens]
     llm.reset_prefix_cache()
-    _sync()
+    sync()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    _sync()
+    sync()
     seconds = time.perf_counter() - start
     cached = sum(o.num_cached_tokens for o in outputs)
     return sum(len(o.outputs[0].token_ids) for o in outputs), seconds, cached
@@ -192,17 +192,18 @@ def run_transformers(model_dir, prompts, max_new_tokens: int, temperature: float
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
                               eos_token_id=-1, pad_token_id=0)
     model.generate_batch(inputs=prompts[:1], generation_config=config)  # warm-up
-    _sync()
+    sync()
     start = time.perf_counter()
     outputs = model.generate_batch(inputs=prompts, generation_config=config)
-    _sync()
+    sync()
     seconds = time.perf_counter() - start
     del model
     torch.cuda.empty_cache()
     return sum(len(o.generated_tokens) for o in outputs.values()), seconds
 
 
-def _sync() -> None:
+def sync() -> None:
+    """Wait for the GPU (no-op on CPU): timings cover the work, not only its launch."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
