@@ -125,11 +125,11 @@ def test_graph_shapes_cover_decodes_and_short_steps_with_prefill_chunks():
     shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=100, max_model_len=256)
     decode = [s.num_reqs for s in shapes if s.uniform_decode]
     mixed = [(s.num_tokens, s.num_reqs) for s in shapes if not s.uniform_decode]
-    assert decode == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert decode == [8, 16, 32, 48, 64]
     assert mixed == [(32, 4), (32, 16), (64, 4), (64, 16), (64, 32), (100, 4), (100, 16), (100, 50)]
     graphs = CudaGraphs()
     graphs.shapes = sorted(shapes)
-    assert graphs.shape_for(3, 3) == CudaGraphShape(4, 4)
+    assert graphs.shape_for(1, 1) == graphs.shape_for(3, 3) == CudaGraphShape(8, 8)
     assert graphs.shape_for(1, 20) == CudaGraphShape(32, 4)  # padded to 32 tokens, a dummy prompt in slot 4
     assert graphs.shape_for(4, 20) == CudaGraphShape(32, 16)  # no slot left for the padding in (32, 4)
     assert graphs.shape_for(16, 32) == CudaGraphShape(64, 32)  # neither (32, 16) nor (64, 16) has a slot to spare

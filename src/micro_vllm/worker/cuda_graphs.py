@@ -2,8 +2,9 @@
 that fits a step into a captured shape, their capture, and replay.
 
 Two kinds of shape: decode batches (one token per request) up to ``MAX_CUDA_GRAPH_BATCH`` requests,
-and steps with prefill chunks (alone or mixed with decodes) up to ``MAX_MIXED_GRAPH_TOKENS`` tokens,
-where launching each kernel from Python costs far more than the GPU work of a short prefill.
+and steps with prefill chunks (alone or mixed with decodes) up to ``MAX_MIXED_GRAPH_TOKENS`` tokens.
+Launching a step's few hundred kernels from Python takes about as long as the GPU work of a
+several-thousand-token prefill of a small model, so graphs pay well past short steps.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from micro_vllm.worker.input_buffers import InputBuffers
 logger = logging.getLogger(__name__)
 
 MAX_CUDA_GRAPH_BATCH = 512  # larger decode batches run eagerly
-MAX_MIXED_GRAPH_TOKENS = 512  # larger steps with prefill chunks run eagerly (vLLM's largest capture size)
+MAX_MIXED_GRAPH_TOKENS = 8192  # larger steps with prefill chunks run eagerly
+# The smallest decode graph: fewer requests pad up to it, since cuBLAS's kernels for one- to
+# few-row matmuls are slower on Hopper than its kernels for eight rows.
+MIN_DECODE_GRAPH_BATCH = 8
 # Token counts of the mixed graphs: powers of two from here up. No smaller: a query bound of at least
 # this many tokens takes the attention's general prefill tiles whatever the heads.
 MIN_MIXED_GRAPH_TOKENS = 32
@@ -65,7 +69,7 @@ def cudagraph_capture_shapes(max_num_seqs: int, max_num_batched_tokens: int,
     get a graph: steps up to these limits replay one, larger ones run eagerly."""
     # Past a few hundred decodes launch overhead is a small share of a step (vLLM stops at 512 too).
     limit = min(max_num_seqs, MAX_CUDA_GRAPH_BATCH)
-    sizes = {s for s in [1, 2, 4, 8, *range(16, limit + 1, 16)] if s <= limit} | {limit}
+    sizes = {s for s in [MIN_DECODE_GRAPH_BATCH, *range(16, limit + 1, 16)] if s <= limit} | {limit}
     shapes = [CudaGraphShape(size, size) for size in sorted(sizes)]
     # A mixed step has more tokens than requests; one needing more than half its token count in
     # slots (its requests and the padding's dummy, one slot past max_num_seqs at most) fits the next
