@@ -51,7 +51,7 @@ from helpers.model_shapes import SHAPES, shape_id, shape_overrides
 from helpers.structured_output import MAX_TOKENS, REQUESTS, check_all, generate
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.model_loader.default_model_download import DefaultModelUnavailable, default_model_path
-from micro_vllm.worker.cuda_graphs import CudaGraphShape
+from micro_vllm.worker.cuda_graphs import MIN_DECODE_GRAPH_BATCH, CudaGraphShape
 from helpers.tiny_models import make_tiny_model
 
 pytestmark = [
@@ -433,7 +433,7 @@ class GraphReplays:
 
 
 # 33 requests that finish at different times, 16 of them running at once, so decode batches shrink
-# from 16 to 1 through the captured sizes (1, 2, 4, 8, 16) and are padded to the next one on the way;
+# from 16 to 1 through the captured sizes (8 and 16) and are padded to the next one on the way;
 # their prompts, chunked by the budget of 64 tokens, make steps with prefill chunks beside decodes.
 GRAPH_PROMPTS = _prompts([random.Random(i).randint(2, 60) for i in range(33)], seed=1)
 GRAPH_MAX_TOKENS = [4 + (7 * i) % 45 for i in range(33)]
@@ -453,7 +453,7 @@ def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, shared_engine)
     runner = runner_of(graphs)
     assert runner.cuda_graphs.graphs, "no CUDA graphs were captured with enforce_eager=False on CUDA"
     decode_sizes = [shape.num_reqs for shape in runner.cuda_graphs.graphs if shape.uniform_decode]
-    assert min(decode_sizes) == 1 and max(decode_sizes) == MAX_NUM_SEQS
+    assert min(decode_sizes) == MIN_DECODE_GRAPH_BATCH and max(decode_sizes) == MAX_NUM_SEQS
     replays = GraphReplays(runner)
     try:
         with_graphs = token_ids(graphs.generate(GRAPH_PROMPTS, params, use_tqdm=False))
@@ -467,7 +467,7 @@ def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, shared_engine)
     sizes = {shape.num_reqs for _, shape in replays.replays if shape.uniform_decode}
     padded = {(n, shape) for n, shape in replays.replays if shape.uniform_decode and n < shape.num_reqs}
     mixed = {shape for _, shape in replays.replays if not shape.uniform_decode}
-    assert len(sizes) >= 4, f"decode steps replayed only graph sizes {sorted(sizes)}"
+    assert sizes == set(decode_sizes), f"decode steps replayed only graph sizes {sorted(sizes)}"
     assert padded, "no decode step was padded to a bigger graph"
     assert len(mixed) >= 2, f"steps with prefill chunks replayed only the graphs of {sorted(mixed)}"
     refs.assert_same_greedy(family, DTYPES[dtype], GRAPH_PROMPTS, with_graphs, without, f"{family} graphs vs eager")
