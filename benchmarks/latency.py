@@ -1,14 +1,15 @@
 """Time to first token and time per output token at batch sizes 1, 8 and 64.
 
-    python benchmarks/latency.py [--model DIR] [--prompt-len 512] [--output-len 128] [--repeat N] [--profile]
+    python benchmarks/latency.py [--model DIR] [--prompt-len 512] [--output-len 128] [--repeat N] [--profile [BATCH]]
 
 All requests of a batch arrive at once; TTFT is measured from their arrival to the step that
 produced their first token, TPOT over the rest of their tokens. Figures are medians over the batch.
 The first run of the batch sizes is the one ``../shared/peers``' vLLM side repeats; ``--repeat`` runs
 them again on other prompts (none served from the prefix cache), which shows whether the first
 steps of a process are slower than later ones.
-``--profile`` then shows where one request's time goes: the kernels of its prefill step and of 20 of
-its decode steps (torch.profiler), each with the GPU's busy time against the steps' wall time.
+``--profile`` then shows where a batch's time goes (one request unless BATCH is given): the kernels of
+its prefill step and of 20 of its decode steps (torch.profiler), each with the GPU's busy time against
+the steps' wall time.
 """
 
 from __future__ import annotations
@@ -52,17 +53,21 @@ def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int, run: in
             "tpot_ms": 1000 * statistics.median(tpot)}
 
 
-def profile_one_request(llm: LLM, prompt_len: int, decode_steps: int = 20) -> None:
-    """Print the kernel profile of a lone request's prefill step, then of ``decode_steps`` of its
-    decode steps: a step whose GPU busy time is far below its wall time is bound by the host."""
+def profile_batch(llm: LLM, batch_size: int, prompt_len: int, decode_steps: int = 20) -> None:
+    """Print the kernel profile of a batch's prefill step (all its prompts in one step when the token
+    budget allows), then of ``decode_steps`` of its decode steps: a step whose GPU busy time is far
+    below its wall time is bound by the host."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
     rng = random.Random(-1)  # a prompt no measured batch used, so the prefix cache serves none of it
     params = SamplingParams(max_tokens=decode_steps + 8, temperature=0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    engine.add_request(engine.make_request("profile", [rng.randint(0, 10000) for _ in range(prompt_len)], params))
-    for what, steps in ((f"the prefill step of {prompt_len} tokens", 1), (f"{decode_steps} decode steps", decode_steps)):
+    for i in range(batch_size):
+        engine.add_request(engine.make_request(f"profile-{i}", [rng.randint(0, 10000) for _ in range(prompt_len)],
+                                               params))
+    for what, steps in ((f"the prefill step of {batch_size} x {prompt_len} tokens", 1),
+                        (f"{decode_steps} decode steps", decode_steps)):
         sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -70,7 +75,7 @@ def profile_one_request(llm: LLM, prompt_len: int, decode_steps: int = 20) -> No
                 engine.step()
             sync()
             wall_ms = 1000 * (time.perf_counter() - start)
-        print(f"kernel profile, {what} (batch 1): {wall_ms:.2f} ms of wall time under the profiler")
+        print(f"kernel profile, {what} (batch {batch_size}): {wall_ms:.2f} ms of wall time under the profiler")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
         print(gpu_busy(prof.events()))
     while engine.has_unfinished_requests():
@@ -86,7 +91,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="runs of all the batch sizes, each on new prompts")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
-    parser.add_argument("--profile", action="store_true", help="then print kernel profiles of one request's steps")
+    parser.add_argument("--profile", type=int, nargs="?", const=1, metavar="BATCH",
+                        help="then print kernel profiles of a batch's steps (default: one request)")
     args = parser.parse_args()
 
     llm = LLM(model=args.model or str(build_random_model()), max_model_len=4096, enforce_eager=args.enforce_eager)
@@ -101,7 +107,7 @@ def main() -> None:
         with open(args.json, "a") as f:
             f.write(json.dumps({"benchmark": "latency", **vars(args), "rows": rows}) + "\n")
     if args.profile:
-        profile_one_request(llm, args.prompt_len)
+        profile_batch(llm, args.profile, args.prompt_len)
     sync()
 
 
