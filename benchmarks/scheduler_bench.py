@@ -88,7 +88,7 @@ def make_runner(model_path: Path) -> HostOnlyRunner:
     """A runner as on a GPU, on the CPU: the triton attention backend's metadata and the Triton
     sampler's seeds are what a GPU step stages."""
     settings = RunnerSettings(
-        device=torch.device("cpu"), dtype=torch.float32, attention_backend="triton",
+        device=torch.device("cpu"), dtype=torch.float32, kv_cache_dtype=torch.float32, attention_backend="triton",
         custom_ops=frozenset({"sampler"}),
         max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         block_size=BLOCK_SIZE, seed=0, use_cuda_graphs=False,

@@ -440,15 +440,16 @@ GRAPH_MAX_TOKENS = [4 + (7 * i) % 45 for i in range(33)]
 
 
 @pytest.mark.parametrize(
-    "family,dtype",
-    [("qwen3", "bfloat16"), ("mistral", "bfloat16"), ("qwen3_sliding", "bfloat16"), ("llama", "float32")],
+    "family,dtype,kv_cache_dtype",
+    [("qwen3", "bfloat16", "auto"), ("mistral", "bfloat16", "auto"), ("qwen3_sliding", "bfloat16", "auto"),
+     ("llama", "float32", "auto"), ("llama", "bfloat16", "fp8")],
 )
-def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, shared_engine):
+def test_cuda_graphs_match_eager(family, dtype, kv_cache_dtype, model_dirs, refs, shared_engine):
     """Steps replayed from CUDA graphs (padded to the next captured shape), decode batches and steps
     with prefill chunks alike, give the tokens of the same engine with enforce_eager=True, whose
-    steps all run eagerly."""
+    steps all run eagerly; with an fp8 KV cache too."""
     params = [greedy(m) for m in GRAPH_MAX_TOKENS]
-    graphs = shared_engine(family, dtype=dtype)
+    graphs = shared_engine(family, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     graphs.reset_prefix_cache()  # prompts computed in full, as in the eager engine
     runner = runner_of(graphs)
     assert runner.cuda_graphs.graphs, "no CUDA graphs were captured with enforce_eager=False on CUDA"
@@ -459,7 +460,9 @@ def test_cuda_graphs_match_eager(family, dtype, model_dirs, refs, shared_engine)
         with_graphs = token_ids(graphs.generate(GRAPH_PROMPTS, params, use_tqdm=False))
     finally:
         replays.restore()
-    with engine(model_dirs[family], dtype=dtype, enforce_eager=True) as eager:
+    assert runner.model.attention_layers()[0].kv_cache.dtype == (
+        torch.float8_e4m3fn if kv_cache_dtype == "fp8" else getattr(torch, dtype))
+    with engine(model_dirs[family], dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=True) as eager:
         assert not runner_of(eager).cuda_graphs.graphs
         without = token_ids(eager.generate(GRAPH_PROMPTS, params, use_tqdm=False))
 

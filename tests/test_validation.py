@@ -75,6 +75,7 @@ BAD_CONFIG_VALUES = {
     (CacheConfig, "num_blocks"): [1, True, 2.0, 2**31],
     (CacheConfig, "cpu_kv_cache_gib"): [0, -1, INF, NAN, "4", True],
     (CacheConfig, "enable_prefix_caching"): [1, None],
+    (CacheConfig, "kv_cache_dtype"): ["fp16", "FP8", "fp8_e5m2", None, torch.float8_e4m3fn],
     (LLMConfig, "model_config"): ["m", None],
     (LLMConfig, "scheduler_config"): [{}],
     (LLMConfig, "cache_config"): [None],

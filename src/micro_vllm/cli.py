@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 
-from micro_vllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from micro_vllm.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 
 
 def _add_engine_args(p) -> None:
@@ -27,13 +27,15 @@ def _add_engine_args(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=CacheConfig.enable_prefix_caching)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=CacheConfig.kv_cache_dtype)
 
 
 def _engine_kwargs(args) -> dict:
     return dict(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching)
+                gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _add_generate(subparsers) -> None:

@@ -26,6 +26,7 @@ from micro_vllm.validation import (
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 means e4m3, as on CUDA in vLLM
 # The ops with a Triton implementation beside their PyTorch one, as ``custom_ops`` names them: the
 # layers' CustomOps (layers/custom_op.py) and the sampler's route.
 CUSTOM_OPS = ("rms_norm", "qk_norm", "rotary_embedding", "silu_and_mul", "sampler")
@@ -129,6 +130,9 @@ class CacheConfig:
     num_blocks: int | None = None  # an explicit capacity, overriding the sizing
     cpu_kv_cache_gib: float = 4.0  # the KV budget on CPU
     enable_prefix_caching: bool = True
+    # auto: K/V stored in the model's dtype; fp8 (= fp8_e4m3): one byte per value, so twice the
+    # blocks of bf16 in the same memory and half the bytes each decode step reads.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -138,6 +142,8 @@ class CacheConfig:
         check_field(self, "num_blocks", check_optional_int, 2)
         check_field(self, "cpu_kv_cache_gib", check_float, 0, low_open=True)
         check_field(self, "enable_prefix_caching", check_bool)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise reject("kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
 
 
 @dataclass(frozen=True)

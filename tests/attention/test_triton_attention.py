@@ -238,6 +238,23 @@ def test_head_size_not_a_power_of_two(rng: random.Random, monkeypatch, head_size
     check_write_and_attend(decodes, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_cache_matches_reference(rng: random.Random, monkeypatch, dtype: torch.dtype) -> None:
+    """A cache of float8 e4m3 (kv_cache_dtype="fp8") under fp32 and bf16 queries: a mixed step with
+    a window, then a decode step, each storing fresh K/V (the write kernel, then the attention
+    launch's own store) as the reference stores them, and attending over the rounded values as the
+    reference does."""
+    use_small_tiles(monkeypatch)
+    shape = dict(num_heads=4, num_kv_heads=2, head_size=32, block_size=16, dtype=dtype,
+                 kv_cache_dtype=torch.float8_e4m3fn)
+    mixed = make_batch(rng, random_requests(rng, 2, 2, max_context=40, max_chunk=12), sliding_window=6,
+                       num_pad_tokens=1, **shape)
+    check_against_reference(mixed, 6)
+    check_write_and_attend(mixed, 6)
+    decodes = make_batch(rng, [(1, rng.randint(0, 50)) for _ in range(3)], num_pad_tokens=1, **shape)
+    check_write_and_attend(decodes, None)
+
+
 def test_head_size_above_256_is_refused(rng: random.Random) -> None:
     backend = get_backend_cls("triton")()
     assert backend.supports_head_size(256) and not backend.supports_head_size(272)
@@ -258,7 +275,9 @@ def check_write_and_attend(batch: Batch, window: int | None) -> None:
     decode step launches no write kernel (fp32 batches)."""
     _, _, _, num_kv_heads, head_size = batch.kv_cache.shape
     num_tokens = batch.query.shape[0]
+    # Values past the fp8 range too (at most 448), which the cache must saturate rather than turn into NaN.
     new_kv = torch.randn(2, num_tokens, num_kv_heads, head_size, device=DEVICE)
+    new_kv[:, :, 0, 0] = 1000.0
     expected_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
     write_kv_to_cache(new_kv[0], new_kv[1], expected_cache, batch.metadata.common.slot_mapping)
     expected = get_backend_cls("reference")().write_and_attend(
@@ -270,9 +289,10 @@ def check_write_and_attend(batch: Batch, window: int | None) -> None:
         out = get_backend_cls("triton")().write_and_attend(
             batch.query, *new_kv, cache, batch.metadata, scale=0.25, sliding_window=window
         )
-    torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(cache.float(), expected_cache.float(), atol=0, rtol=0, equal_nan=True)
     n = batch.metadata.common.num_actual_tokens
-    torch.testing.assert_close(out[:n], expected[:n], atol=2e-4, rtol=2e-4)
+    atol, rtol, _ = TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(out[:n].float(), expected[:n].float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -298,9 +318,9 @@ def test_write_kv_matches_reference(rng: random.Random, dtype: torch.dtype) -> N
 def test_triton_backend_on_cpu_without_the_interpreter_is_refused_at_start_up(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"attention_backend='triton' .*TRITON_INTERPRET=1"):
-        resolve_attention_backend("triton", torch.device("cpu"), 64)
+        resolve_attention_backend("triton", torch.device("cpu"), 64, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_attention_backend("triton", torch.device("cpu"), 64) == "triton"
+    assert resolve_attention_backend("triton", torch.device("cpu"), 64, torch.float32) == "triton"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -341,6 +361,18 @@ class TestOnGpu:
             dtype=dtype, sliding_window=window, num_pad_tokens=5,
         )
         check_against_reference(batch, window)
+
+    def test_fp8_cache_at_real_sizes(self, rng: random.Random) -> None:
+        """kv_cache_dtype="fp8" under bf16 queries, Qwen3-0.6B's heads: a large mixed step with a
+        window, and decodes that split their long contexts."""
+        shape = dict(num_heads=16, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16,
+                     kv_cache_dtype=torch.float8_e4m3fn)
+        mixed = make_batch(rng, random_requests(rng, 48, 6, max_context=700, max_chunk=300), sliding_window=256,
+                           num_pad_tokens=3, **shape)
+        check_against_reference(mixed, 256)
+        check_write_and_attend(mixed, 256)
+        decodes = make_batch(rng, [(1, rng.randint(1000, 3000)) for _ in range(4)], **shape)
+        check_write_and_attend(decodes, None)
 
     @pytest.mark.parametrize("num_reqs", [1, 4, 8])
     def test_few_long_decodes_split_kv(self, rng: random.Random, num_reqs: int) -> None:

@@ -40,6 +40,7 @@ def make_batch(
     sliding_window: int | None = None,
     num_pad_tokens: int = 0,
     device: str = DEVICE,
+    kv_cache_dtype: torch.dtype | None = None,  # None: the query's dtype
 ) -> Batch:
     seq_lens = [q + c for q, c in requests]
     blocks_needed = [-(-s // block_size) for s in seq_lens]
@@ -49,7 +50,7 @@ def make_batch(
 
     block_table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
     cache = torch.randn(2, len(pool) + 1, block_size, num_kv_heads, head_size, dtype=torch.float32)
-    cache = cache.to(dtype)
+    cache = cache.to(kv_cache_dtype or dtype)
     poisoned = cache.clone()
     poisoned[:, 0] = float("nan")
     for i, ((query_len, context_len), seq_len) in enumerate(zip(requests, seq_lens)):

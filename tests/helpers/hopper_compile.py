@@ -100,10 +100,10 @@ def catch_launches() -> None:
 
 
 def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_splits: int,
-                       head_size: int = 128) -> None:
+                       head_size: int = 128, kv_cache_dtype: torch.dtype | None = None) -> None:
     backend = triton_attn.TritonBackend()
     num_kv_heads, block_size, num_blocks = 8, 16, 64
-    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=kv_cache_dtype or dtype)
     for query_lens in ([1] * 12, [300, 1, 1, 7]):  # a decode batch (decode tiles), a mixed one (prefill tiles)
         num_reqs, num_tokens = len(query_lens), sum(query_lens)
         seq_lens = torch.tensor([n + 40 for n in query_lens], dtype=torch.int32)
@@ -158,6 +158,7 @@ def main() -> int:
     for head_size, num_splits in ((12, 1), (80, 4), (256, 1)):
         attention_launches(torch.bfloat16, 2, None, num_splits, head_size=head_size)
     attention_launches(torch.float32, 2, None, 1)  # fp32 dots ("ieee") take another code path
+    attention_launches(torch.bfloat16, 2, None, 4, kv_cache_dtype=torch.float8_e4m3fn)  # kv_cache_dtype="fp8"
     for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype
         triton_sampler.sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64))
     print(f"{len(compiled)} kernel variants compiled for sm_90")

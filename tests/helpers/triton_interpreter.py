@@ -5,6 +5,7 @@ kernels never see them."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime import interpreter
@@ -18,6 +19,8 @@ def patch_triton_interpreter() -> None:
       data fails. ``.item()`` accepts any 1-element array.
     * ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns it stores bf16 in; widen them to fp32.
     * It casts fp32 to bf16 by truncating the mantissa; the GPU rounds to nearest even, as PyTorch.
+    * Its casts to float8 e4m3 lose the carry when rounding up crosses a power of two (0.49 becomes
+      0.25) and flush subnormals; PyTorch's conversion is the GPU's, both ways.
     * ``libdevice`` functions are device code, which it cannot call: ``libdevice.exp`` (the kernels'
       ``expf``) becomes ``tl.exp``, which the interpreter computes with numpy in fp32.
 
@@ -31,6 +34,7 @@ def patch_triton_interpreter() -> None:
     _patch_once(interpreter, "_patch_lang_tensor", _index_by_item)
     _patch_once(interpreter.InterpreterBuilder, "create_dot", _widen_bf16_operands)
     _patch_once(interpreter.InterpreterBuilder, "cast_impl", _round_fp32_to_bf16)
+    _patch_once(interpreter.InterpreterBuilder, "create_fp_to_fp", _convert_fp8_as_torch)
     _patch_once(libdevice, "exp", lambda original: lambda x: tl.exp(x))
     _patch_once(interpreter, "_patch_lang", _patch_languages_once_per_launch)
 
@@ -76,6 +80,26 @@ def _round_fp32_to_bf16(cast_impl):
         is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
         data = np.where(is_nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
         return interpreter.TensorHandle(data, tl.bfloat16)
+
+    return patch
+
+
+# The interpreter keeps bf16 and fp8 values as their bit patterns (uint16, uint8).
+_AS_TORCH = {tl.float8e4nv: torch.float8_e4m3fn, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16,
+             tl.float32: torch.float32}
+_SAME_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.float32}
+
+
+def _convert_fp8_as_torch(create_fp_to_fp):
+    def patch(self, src, dst_type, rounding_mode):
+        src_type, dst_scalar = src.dtype.scalar, dst_type.scalar
+        if tl.float8e4nv not in (src_type, dst_scalar):
+            return create_fp_to_fp(self, src, dst_type, rounding_mode)
+        data = np.ascontiguousarray(src.data)
+        values = torch.from_numpy(data.reshape(-1)).view(_AS_TORCH[src_type]).reshape(data.shape)
+        converted = values.to(_AS_TORCH[dst_scalar])
+        bits = converted.view(_SAME_BITS[converted.element_size()]).numpy()
+        return interpreter.TensorHandle(bits.view(interpreter._get_np_dtype(dst_scalar)), dst_scalar)
 
     return patch
 

@@ -38,6 +38,7 @@ class RunnerSettings:
 
     device: torch.device
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
     attention_backend: str
     custom_ops: frozenset[str]  # the ops that run their Triton kernel (resolve_custom_ops)
     max_model_len: int
@@ -178,7 +179,7 @@ class ModelRunner:
         return [layer.spec for layer in self.model.attention_layers()]
 
     def kv_cache_bytes_per_block(self) -> int:
-        element = torch.tensor([], dtype=self.settings.dtype).element_size()
+        element = self.settings.kv_cache_dtype.itemsize
         return sum(
             2 * self.settings.block_size * spec.num_kv_heads * spec.head_size * element
             for spec in self.get_attention_specs()
@@ -192,7 +193,7 @@ class ModelRunner:
         for layer in layers:
             layer.kv_cache = torch.empty(
                 2, num_blocks, settings.block_size, layer.num_kv_heads, layer.head_size,
-                dtype=settings.dtype, device=self.device,
+                dtype=settings.kv_cache_dtype, device=self.device,
             )
             # Every slot is written before it is read, except the null block that stands in for
             # positions outside a sliding window (and pads CUDA-graph batches): masked, but multiplied

@@ -82,6 +82,8 @@ class AttentionBackend(ABC):
     # True when forward reads per-step sizes only from device tensors, so a CUDA graph captured for
     # one decode batch replays correctly for any context lengths.
     cuda_graph_safe: bool = False
+    # True when the backend reads and writes a cache of one-byte floats (kv_cache_dtype="fp8").
+    supports_fp8_kv_cache: bool = False
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
@@ -120,3 +122,13 @@ class AttentionBackend(ABC):
         cache, then attention. A backend that can do both in fewer launches overrides it."""
         self.write_kv(key, value, kv_cache, metadata.common.slot_mapping)
         return self.forward(query, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
+
+
+def to_cache_dtype(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K or V as a cache of ``cache_dtype`` stores them. An fp8 cache keeps no scaling factor (as vLLM
+    without calibrated scales): values saturate at its largest finite one, where a plain conversion
+    would make NaN of them."""
+    if cache_dtype.itemsize == 1:
+        limit = torch.finfo(cache_dtype).max
+        values = values.float().clamp(-limit, limit)
+    return values.to(cache_dtype)

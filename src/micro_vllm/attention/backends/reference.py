@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from micro_vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from micro_vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata, to_cache_dtype
 
 
 def write_kv_to_cache(
@@ -19,8 +19,8 @@ def write_kv_to_cache(
     num_tokens = slot_mapping.shape[0]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    flat[0, slots] = key[:num_tokens][valid]
-    flat[1, slots] = value[:num_tokens][valid]
+    flat[0, slots] = to_cache_dtype(key[:num_tokens][valid], kv_cache.dtype)
+    flat[1, slots] = to_cache_dtype(value[:num_tokens][valid], kv_cache.dtype)
 
 
 def gather_context(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +44,8 @@ def attention_mask(query_len: int, seq_len: int, sliding_window: int | None, dev
 
 
 class ReferenceBackend(AttentionBackend):
+    supports_fp8_kv_cache = True  # reads K/V in fp32 whatever the cache stores
+
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         write_kv_to_cache(key, value, kv_cache, slot_mapping)
 

@@ -27,6 +27,10 @@ simply serves request ``i``, or request ``decode_order[i]`` when the metadata ha
 starts programs roughly in index order, so longest contexts first keeps a long program from
 starting last and running alone at the end.
 
+An fp8 cache (``kv_cache_dtype="fp8"``) holds one byte per value: the kernels convert K/V as they
+store them (saturating, ``_to_cache_dtype``) and widen each loaded tile to the query's dtype, so the
+products and the softmax run as with a cache in the model's dtype, on half the bytes.
+
 Head sizes need not be powers of two (80, 96, 12...): the kernels work on ``HEAD_PAD`` lanes, the
 head size rounded up to a power of two and to at least 16 (``tl.arange`` and ``tl.dot`` need both),
 and mask the lanes past the head, which load as 0 and so add nothing to either product. Heads of a
@@ -110,8 +114,17 @@ def _write_kv_kernel(
     dst = block * cache_stride_block + offset * cache_stride_tok + heads * cache_stride_head + dims
     k = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
     v = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(k_cache_ptr + dst, _to_cache_dtype(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + dst, _to_cache_dtype(v, v_cache_ptr), mask=mask)
+
+
+@triton.jit
+def _to_cache_dtype(x, cache_ptr):
+    """K or V as the cache stores them (abstract.to_cache_dtype's rule): an fp8 cache saturates at
+    its largest finite value, whatever the conversion's lowering does with larger ones."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -169,8 +182,9 @@ def _attend_tile(
         page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
         k_mask, v_mask = dim_valid[:, None], dim_valid[None, :]
     offset = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_tok
-    k = tl.load(k_base + offset[None, :] + dims[:, None], mask=k_mask, other=0.0)
-    v = tl.load(v_base + offset[:, None] + dims[None, :], mask=v_mask, other=0.0)
+    # An fp8 cache widens to the query's type here, so both products run as without it.
+    k = tl.load(k_base + offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_base + offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
@@ -300,10 +314,11 @@ def _attention_kernel(
     if WRITE_KV:  # loaded before the loops, so their latency hides behind them
         token_row = q_begin.to(tl.int64)
         slot = tl.load(slot_ptr + token_row)
-        new_k = tl.load(key_ptr + token_row * key_stride_t + kv_head * key_stride_h + dims,
-                        mask=dim_valid, other=0.0)
-        new_v = tl.load(value_ptr + token_row * value_stride_t + kv_head * value_stride_h + dims,
-                        mask=dim_valid, other=0.0)
+        # As the cache will hold them, so the new key counts as the cached keys do.
+        new_k = _to_cache_dtype(tl.load(key_ptr + token_row * key_stride_t + kv_head * key_stride_h + dims,
+                                        mask=dim_valid, other=0.0), k_cache_ptr)
+        new_v = _to_cache_dtype(tl.load(value_ptr + token_row * value_stride_t + kv_head * value_stride_h + dims,
+                                        mask=dim_valid, other=0.0), v_cache_ptr)
 
     # A finite floor (not -inf) keeps exp2(m_old - m_new) defined for rows that saw no key yet.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -479,6 +494,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 class TritonBackend(AttentionBackend):
     builder_cls = TritonAttentionMetadataBuilder
     cuda_graph_safe = True  # grids depend on batch shape only; lengths are read on the device
+    supports_fp8_kv_cache = True
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
