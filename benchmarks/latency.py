@@ -89,13 +89,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     parser.add_argument("--repeat", type=int, default=1, help="runs of all the batch sizes, each on new prompts")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     parser.add_argument("--profile", type=int, nargs="?", const=1, metavar="BATCH",
                         help="then print kernel profiles of a batch's steps (default: one request)")
     args = parser.parse_args()
 
-    llm = LLM(model=args.model or str(build_random_model()), max_model_len=4096, enforce_eager=args.enforce_eager)
+    llm = LLM(model=args.model or str(build_random_model()), max_model_len=4096, enforce_eager=args.enforce_eager,
+              kv_cache_dtype=args.kv_cache_dtype)
     measure(llm, 1, 16, 8)  # warm-up
     rows = []
     for run in range(args.repeat):

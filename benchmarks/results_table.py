@@ -18,6 +18,8 @@ def results_table(lines: list[str]) -> str:
             flags = ["--enforce-eager"] if record.get("enforce_eager") else []
             if record.get("custom_ops"):
                 flags.append(f"--custom-ops={','.join(record['custom_ops'])}")
+            if record.get("kv_cache_dtype"):
+                flags.append(f"--kv-cache-dtype={record['kv_cache_dtype']}")
             for run in record["runs"]:
                 rows.append(f"| throughput | {' '.join(flags) or 'defaults'} | {run['tok_per_s']:,} output tok/s "
                             f"({run['output_tokens']:,} tokens in {run['seconds']} s, {run['steps']:,} steps) |")
@@ -47,8 +49,9 @@ def results_table(lines: list[str]) -> str:
         elif record["benchmark"] == "latency":
             for row in record["rows"]:
                 again = f", run {row['run'] + 1}" if row.get("run", 0) else ""  # --repeat's later runs
+                fp8 = ", fp8 KV cache" if record.get("kv_cache_dtype", "auto") != "auto" else ""
                 rows.append(f"| latency | batch {row['batch_size']}, prompt {record['prompt_len']}, "
-                            f"output {record['output_len']}{again} | TTFT {row['ttft_ms']:.1f} ms, "
+                            f"output {record['output_len']}{fp8}{again} | TTFT {row['ttft_ms']:.1f} ms, "
                             f"TPOT {row['tpot_ms']:.2f} ms |")
     return "\n".join(rows)
 

@@ -219,6 +219,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default=None, help="auto (the model's dtype) or fp8")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of the whole recipe")
     parser.add_argument("--compare-hf", type=int, default=0, metavar="N", help="also run transformers on N requests")
     parser.add_argument("--hf-max-tokens", type=int, default=128, help="output tokens per request in the comparison")
@@ -239,7 +240,8 @@ def main() -> None:
     print(f"workload {args.workload}: {len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens, "
           f"{sum(max_tokens):,} output tokens, max_model_len {max_model_len}")
     engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                         attention_backend=args.attention_backend).items() if v is not None}
+                                         attention_backend=args.attention_backend,
+                                         kv_cache_dtype=args.kv_cache_dtype).items() if v is not None}
     start = time.perf_counter()
     llm = LLM(model=model_dir, max_model_len=max_model_len, enforce_eager=args.enforce_eager,
               custom_ops=args.custom_ops, **engine_args)
