@@ -128,3 +128,28 @@ def test_bf16_decodes_compute_as_the_reference(rng: random.Random, shape) -> Non
         assert out.dtype == torch.bfloat16
         spacing = torch.finfo(torch.bfloat16).eps * expected[:n].float().abs().clamp_min(1e-3)
         assert ((out[:n].float() - expected[:n].float()).abs() <= spacing).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_decodes_weight_the_values_where_they_lie(rng: random.Random, dtype) -> None:
+    """fp32 decodes sum each query head's weighted value rows straight from the cache (one
+    embedding_bag over the cache's values, no gathered copy); other dtypes keep the fp32 batched
+    matmul, as embedding_bag would weight the rows in the cache's dtype."""
+    batch = make_batch(rng, [(1, 9), (1, 20), (5, 3)], num_heads=6, num_kv_heads=2, head_size=16, block_size=4,
+                       dtype=dtype, device="cpu")
+    tables = []
+    original = torch.nn.functional.embedding_bag
+
+    def recording(indices, weight, *args, **kwargs):
+        tables.append(weight)
+        return original(indices, weight, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sdpa.F, "embedding_bag", recording)
+        if dtype == torch.float32:
+            check_sdpa_against_reference(batch, None)
+        else:
+            get_backend_cls("sdpa")().forward(batch.query, batch.kv_cache, sdpa_metadata(batch, None), scale=0.25,
+                                              sliding_window=None)
+    values = batch.kv_cache[1]
+    assert [t.data_ptr() for t in tables] == ([values.data_ptr()] if dtype == torch.float32 else [])

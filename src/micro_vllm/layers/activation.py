@@ -19,7 +19,7 @@ class SiluAndMul(CustomOp):
 
     def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
 
     def forward_triton(self, gate_up: torch.Tensor) -> torch.Tensor:
         return triton_ops.silu_and_mul(gate_up)

@@ -183,8 +183,10 @@ class RotaryEmbedding(CustomOp):
         """Rotated copies of ``query`` and ``key``."""
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        # The query's and key's heads side by side, so one pass of small ops rotates both.
-        rotated = self._rotate(torch.cat((query, key), dim=-1), cos, sin)
+        # The query's and key's heads side by side in one new tensor, rotated in place, so one pass
+        # of small ops rotates both and allocates only two half-width products.
+        rotated = torch.cat((query, key), dim=-1)
+        self._rotate_(rotated, cos, sin)
         return rotated.split((query.shape[-1], key.shape[-1]), dim=-1)
 
     def forward_triton(
@@ -192,11 +194,13 @@ class RotaryEmbedding(CustomOp):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        heads = x.unflatten(-1, (-1, self.head_size))
-        first, second = heads.chunk(2, dim=-1)
-        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-        return rotated.flatten(-2)
+    def _rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """(first, second) -> (first * cos - second * sin, second * cos + first * sin) per head, in
+        place, each product rounded before the sum as in transformers' rotate_half form."""
+        first, second = x.unflatten(-1, (-1, self.head_size)).chunk(2, dim=-1)
+        second_sin, first_sin = second * sin, first * sin
+        first.mul_(cos).sub_(second_sin)
+        second.mul_(cos).add_(first_sin)
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, max_position={self.cos_sin_cache.shape[0]}"

@@ -7,10 +7,11 @@ rows, the causal and sliding-window mask) are computed once per step by the KV c
 builder and read by the group's layers; a layer then runs one gather of its K/V and one attention call
 per batch, with no per-request Python. The gather lays K/V out head by head, [requests, KV heads,
 keys, head size], so each (request, KV head) is one contiguous matrix: decodes (one query per request,
-a group of query heads per KV head) multiply them in two batched matmuls, which on CPU cost less than
-``scaled_dot_product_attention``'s blocked kernel at a few queries per head. The slots the step's K/V
-are written to are likewise sorted out once per step (``KVWrites``), so a layer's write is one copy
-per cache tensor.
+a group of query heads per KV head) score their keys in one batched matmul, which on CPU costs less
+than ``scaled_dot_product_attention``'s blocked kernel at a few queries per head. In fp32, a decode's
+values are not gathered at all: ``embedding_bag`` sums each query head's value rows, weighted by its
+probabilities, where they lie in the cache. The slots the step's K/V are written to are likewise
+sorted out once per step (``KVWrites``), so a layer's write is one copy per cache tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class PaddedBatch:
     # int64 [R * kv_heads * num_keys]: each (request, KV head, key slot)'s row in the cache seen as
     # [slots * kv_heads, head_size]
     kv_rows: torch.Tensor
+    # Decodes: int64 [R * heads, num_keys], each query head's value rows (its KV head's ``kv_rows``), the
+    # bags ``embedding_bag`` sums. None for prefill chunks.
+    value_bags: torch.Tensor | None
     # Prefill chunks: bool [R, 1, group * num_queries, num_keys], True where a query slot sees a key
     # slot. Decodes: float [R * kv_heads, 1, num_keys], 0 where the query sees the key and -inf
     # elsewhere (added to the scores). None where every query slot sees every key slot.
@@ -94,7 +98,10 @@ def padded_batch(metadata: CommonAttentionMetadata, requests_cpu: torch.Tensor, 
     else:  # as the queries are laid out: each KV head's query heads one after another
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(num_reqs, group * num_queries, num_keys)[:, None]
     real_slots = is_real.flatten().nonzero().squeeze(1)
-    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_rows, mask, real_slots,
+    value_bags = None
+    if num_queries == 1:  # query head h reads KV head h // group
+        value_bags = kv_rows.view(-1, 1, num_keys).expand(-1, group, -1).reshape(-1, num_keys)
+    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_rows, value_bags, mask, real_slots,
                        query_rows.flatten()[real_slots])
 
 
@@ -181,19 +188,18 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
     q_len, k_len = batch.num_queries, batch.num_keys
     num_reqs = query.shape[0] // q_len
     k = keys.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
-    v = values.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads  # query heads per KV head
     if q_len == 1:
         # Query head h reads KV head h // group, so each (request, KV head) holds `group` query rows.
         # In fp32 whatever the model's dtype (a no-op for fp32 models), as the reference backend.
         q = query.reshape(num_reqs * num_kv_heads, group, head_size).float()
-        k, v = k.flatten(0, 1).float(), v.flatten(0, 1).float()
-        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+        scores = torch.bmm(q, k.flatten(0, 1).float().transpose(1, 2)).mul_(scale)
         if batch.mask is not None:
             scores += batch.mask
-        out = torch.bmm(scores.softmax(dim=-1), v).to(query.dtype)
-        return out.view(num_reqs, num_heads, head_size)
+        out = _weighted_values(scores.softmax(dim=-1), values, batch)
+        return out.to(query.dtype).view(num_reqs, num_heads, head_size)
+    v = values.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
     # Each KV head's query heads stacked along the query axis, so one call serves GQA without
     # repeating K/V: [R, kv_heads, group * q_len, d].
     q = query.view(num_reqs, q_len, num_kv_heads, group, head_size)
@@ -201,3 +207,15 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, q_len, head_size).permute(0, 3, 1, 2, 4)
     return out.reshape(num_reqs * q_len, num_heads, head_size)
+
+
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+    """Each decode query head's probability-weighted sum of its value rows, in fp32: ``probs`` is
+    [R * kv_heads, group, num_keys], the result [R * heads, d]."""
+    if values.dtype == torch.float32:
+        # embedding_bag reads the value rows where they lie in the cache and sums them weighted, so the
+        # values are never gathered into a copy first (the batched matmul needs one).
+        return F.embedding_bag(batch.value_bags, values, per_sample_weights=probs.flatten(0, 1), mode="sum")
+    # embedding_bag weights rows in the table's dtype; lower-precision caches keep fp32 probabilities.
+    v = values.index_select(0, batch.kv_rows).view(probs.shape[0], -1, values.shape[-1]).float()
+    return torch.bmm(probs, v).flatten(0, 1)
