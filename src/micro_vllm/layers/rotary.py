@@ -197,7 +197,10 @@ class RotaryEmbedding(CustomOp):
     def _rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """(first, second) -> (first * cos - second * sin, second * cos + first * sin) per head, in
         place, each product rounded before the sum as in transformers' rotate_half form."""
-        first, second = x.unflatten(-1, (-1, self.head_size)).chunk(2, dim=-1)
+        # Two slices, not chunk(): autograd refuses in-place writes to the views of a multi-output op,
+        # which matters when the model runs outside inference mode.
+        heads, half = x.unflatten(-1, (-1, self.head_size)), self.head_size // 2
+        first, second = heads[..., :half], heads[..., half:]
         second_sin, first_sin = second * sin, first * sin
         first.mul_(cos).sub_(second_sin)
         second.mul_(cos).add_(first_sin)
