@@ -93,6 +93,26 @@ def test_step_kv_write_matches_reference(rng: random.Random, num_pad_tokens: int
     assert torch.equal(written, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_is_written_and_read_as_the_reference_does(rng: random.Random, dtype) -> None:
+    """kv_cache_dtype="fp8": the step's K/V stored as e4m3 (a value past the range saturates) in the
+    reference's slots, and decodes and prefill chunks over the rounded values as the reference's."""
+    batch = make_batch(rng, [(1, 9), (4, 0), (3, 12), (1, 20)], num_heads=4, num_kv_heads=2, head_size=16,
+                       block_size=8, dtype=dtype, num_pad_tokens=1, device="cpu", kv_cache_dtype=torch.float8_e4m3fn)
+    key, value = torch.randn(2, batch.query.shape[0], 2, 16).to(dtype)
+    key[0, 0, 0] = 1000.0
+    expected_cache, cache = batch.clean_cache.clone(), batch.clean_cache.clone()
+    expected = get_backend_cls("reference")().write_and_attend(batch.query, key, value, expected_cache,
+                                                               batch.metadata, scale=0.25, sliding_window=None)
+    out = get_backend_cls("sdpa")().write_and_attend(batch.query, key, value, cache, sdpa_metadata(batch, None),
+                                                     scale=0.25, sliding_window=None)
+    assert cache.dtype == torch.float8_e4m3fn and torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    assert cache.float().abs().max() == 448
+    n = batch.metadata.common.num_actual_tokens
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: the chunks' attention runs in bf16
+    torch.testing.assert_close(out[:n].float(), expected[:n].float(), atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("requests, window, unmasked", [
     ([(1, 9)], None, True),  # one decode: it sees its whole context
     ([(1, 12), (1, 12)], None, True),  # equal contexts: no padding key slot

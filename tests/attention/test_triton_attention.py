@@ -318,9 +318,9 @@ def test_write_kv_matches_reference(rng: random.Random, dtype: torch.dtype) -> N
 def test_triton_backend_on_cpu_without_the_interpreter_is_refused_at_start_up(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"attention_backend='triton' .*TRITON_INTERPRET=1"):
-        resolve_attention_backend("triton", torch.device("cpu"), 64, torch.float32)
+        resolve_attention_backend("triton", torch.device("cpu"), 64)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_attention_backend("triton", torch.device("cpu"), 64, torch.float32) == "triton"
+    assert resolve_attention_backend("triton", torch.device("cpu"), 64) == "triton"
 
 
 # --------------------------------------------------------------------------------------------------

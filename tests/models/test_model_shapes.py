@@ -61,8 +61,8 @@ def test_explicit_backend_that_cannot_serve_the_head_size_is_refused(tmp_path):
 
 def test_default_backend_falls_back_to_sdpa_with_a_warning(caplog):
     cuda = torch.device("cuda", 0)  # only its type is read
-    assert resolve_attention_backend(None, cuda, 256, torch.bfloat16) == "triton"
+    assert resolve_attention_backend(None, cuda, 256) == "triton"
     with caplog.at_level(logging.WARNING, logger="micro_vllm.worker.worker"):
-        assert resolve_attention_backend(None, cuda, 272, torch.bfloat16) == "sdpa"
+        assert resolve_attention_backend(None, cuda, 272) == "sdpa"
     assert "cannot serve head size 272; using sdpa" in caplog.text
-    assert resolve_attention_backend(None, torch.device("cpu"), 272, torch.float32) == "sdpa"
+    assert resolve_attention_backend(None, torch.device("cpu"), 272) == "sdpa"

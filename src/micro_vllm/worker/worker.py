@@ -48,21 +48,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dty
     return dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
-def resolve_attention_backend(backend: str | None, device: torch.device, head_size: int,
-                              kv_cache_dtype: torch.dtype) -> str:
-    """The chosen backend, which must serve the model's heads and KV cache dtype; by default triton
-    on CUDA (when Triton is installed and serves them) and sdpa elsewhere."""
-    resolved = _pick_attention_backend(backend, device, head_size)
-    if kv_cache_dtype.itemsize == 1 and not get_backend_cls(resolved).supports_fp8_kv_cache:
-        serving = [name for name in backends_supporting(head_size) if get_backend_cls(name).supports_fp8_kv_cache]
-        raise ValueError(
-            f"kv_cache_dtype='fp8' is not served by attention_backend={resolved!r}; choose one of {serving} "
-            f"or kv_cache_dtype='auto'"
-        )
-    return resolved
-
-
-def _pick_attention_backend(backend: str | None, device: torch.device, head_size: int) -> str:
+def resolve_attention_backend(backend: str | None, device: torch.device, head_size: int) -> str:
+    """The chosen backend, which must serve the model's heads; by default triton on CUDA (when
+    Triton is installed and serves them) and sdpa elsewhere."""
     if backend is not None:
         if not get_backend_cls(backend).supports_head_size(head_size):
             raise ValueError(
@@ -92,8 +80,7 @@ class Worker:
             torch.cuda.set_device(device)
         dtype = resolve_dtype(model_config.dtype, device, hf_config)
         kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, dtype)
-        backend = resolve_attention_backend(model_config.attention_backend, device, head_size_of(hf_config),
-                                            kv_cache_dtype)
+        backend = resolve_attention_backend(model_config.attention_backend, device, head_size_of(hf_config))
         # Graphs need a backend that reads step sizes from the device, not from the host.
         use_graphs = device.type == "cuda" and not model_config.enforce_eager and get_backend_cls(backend).cuda_graph_safe
         self.settings = RunnerSettings(

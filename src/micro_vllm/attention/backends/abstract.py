@@ -72,7 +72,9 @@ class AttentionMetadataBuilder:
 class AttentionBackend(ABC):
     """Paged attention: write a step's K/V into the cache, then attend over the cached context.
 
-    ``kv_cache`` is [2, num_blocks, block_size, num_kv_heads, head_size] (keys, then values).
+    ``kv_cache`` is [2, num_blocks, block_size, num_kv_heads, head_size] (keys, then values), in the
+    model's dtype or in float8 e4m3 (``kv_cache_dtype="fp8"``): a backend stores K/V as
+    ``to_cache_dtype`` converts them and reads them back widened.
     ``forward`` takes ``query`` [T, num_heads, head_size] and returns the same shape; rows past
     ``metadata.common.num_actual_tokens`` (padding) may hold anything. A model holds one instance,
     shared by its layers; the metadata comes from the backend's ``builder_cls``.
@@ -82,8 +84,6 @@ class AttentionBackend(ABC):
     # True when forward reads per-step sizes only from device tensors, so a CUDA graph captured for
     # one decode batch replays correctly for any context lengths.
     cuda_graph_safe: bool = False
-    # True when the backend reads and writes a cache of one-byte floats (kv_cache_dtype="fp8").
-    supports_fp8_kv_cache: bool = False
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:

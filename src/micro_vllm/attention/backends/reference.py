@@ -44,8 +44,6 @@ def attention_mask(query_len: int, seq_len: int, sliding_window: int | None, dev
 
 
 class ReferenceBackend(AttentionBackend):
-    supports_fp8_kv_cache = True  # reads K/V in fp32 whatever the cache stores
-
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         write_kv_to_cache(key, value, kv_cache, slot_mapping)
 

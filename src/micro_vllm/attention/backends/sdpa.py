@@ -26,6 +26,7 @@ from micro_vllm.attention.backends.abstract import (
     AttentionMetadata,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
+    to_cache_dtype,
 )
 
 
@@ -129,9 +130,12 @@ class KVWrites:
         return cls(slot_mapping[rows], rows)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        keys, values = kv_cache.view(2, -1, *kv_cache.shape[-2:])
         if self.rows is not None:
             key, value = key[self.rows], value[self.rows]
+        key, value = to_cache_dtype(key, kv_cache.dtype), to_cache_dtype(value, kv_cache.dtype)
+        if kv_cache.dtype.itemsize == 1:  # index_copy_ has no float8 kernel on CPU: copy the bytes
+            kv_cache, key, value = kv_cache.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+        keys, values = kv_cache.view(2, -1, *kv_cache.shape[-2:])
         keys.index_copy_(0, self.slots, key)
         values.index_copy_(0, self.slots, value)
 
@@ -200,6 +204,7 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
         out = _weighted_values(scores.softmax(dim=-1), values, batch)
         return out.to(query.dtype).view(num_reqs, num_heads, head_size)
     v = values.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
+    k, v = k.to(query.dtype), v.to(query.dtype)  # an fp8 cache widens to the query's dtype; else a no-op
     # Each KV head's query heads stacked along the query axis, so one call serves GQA without
     # repeating K/V: [R, kv_heads, group * q_len, d].
     q = query.view(num_reqs, q_len, num_kv_heads, group, head_size)

@@ -494,7 +494,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 class TritonBackend(AttentionBackend):
     builder_cls = TritonAttentionMetadataBuilder
     cuda_graph_safe = True  # grids depend on batch shape only; lengths are read on the device
-    supports_fp8_kv_cache = True
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
