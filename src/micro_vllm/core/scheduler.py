@@ -50,6 +50,9 @@ class Scheduler:
         # Per planned step whose output is not applied yet, oldest first: the table's version then and
         # the table rows it decoded, or None when it was planned request by request.
         self.planned_rows: deque[tuple[int, np.ndarray | None]] = deque()
+        # The last plan left a request with known tokens to compute (a prompt in chunks): the next
+        # step will not be all decodes, so reading the table for it is wasted.
+        self.chunks_left = False
         self.finished_req_ids: set[str] = set()  # since the last plan; the runner drops them
         self.stats = self.make_stats()  # made with each plan, while that step's blocks are held
         # Set by the engine with the first structured-output request: the default path never loads it.
@@ -155,6 +158,7 @@ class Scheduler:
             grammar_bitmask=self.get_grammar_bitmask(step.structured_output_requests),
         )
         self.finished_req_ids.clear()
+        self.chunks_left = step.chunks_left
         if plan.is_empty:
             self.kv_cache_manager.cancel_step()
         else:
@@ -215,10 +219,11 @@ class Scheduler:
         ``_schedule_running`` would, with array operations over all of them. Only the requests that
         need a new block, a block hashed, or a grammar's bitmask go through ``allocate_slots`` one
         at a time. Returns the table rows planned; None, having planned nothing, when a request has
-        more than one token to compute, the budget is short, or a sliding window may free blocks."""
+        more than one token to compute (or the last plan left one so), the budget is short, or a
+        sliding window may free blocks."""
         kv = self.kv_cache_manager
         running = self.running
-        if not running or not kv.full_attention_only:
+        if not running or not kv.full_attention_only or self.chunks_left:
             return None
         table = self.table
         table.refresh(running, kv)
@@ -465,7 +470,7 @@ class _StepBuilder:
 
     __slots__ = ("budget", "num_tokens", "num_scheduled", "new_reqs", "cached_req_ids", "cached_new_block_ids",
                  "cached_num_computed_tokens", "preempted", "decode_req_ids", "structured_output_requests",
-                 "prefix_cache_queries", "prefix_cache_hits")
+                 "prefix_cache_queries", "prefix_cache_hits", "chunks_left")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens still free under max_num_batched_tokens
@@ -480,6 +485,7 @@ class _StepBuilder:
         self.decode_req_ids: list[str] = []
         self.structured_output_requests: list[Request] = []  # those that sample under a grammar
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, of the requests admitted
+        self.chunks_left = False  # a request planned here has known tokens left to compute
 
     def add_decodes(self, req_ids: list[str], new_block_ids: list[BlockIds | None], num_computed: list[int],
                     is_decode: np.ndarray) -> None:
@@ -500,6 +506,7 @@ class _StepBuilder:
         self.budget -= num_tokens
         self.num_tokens += num_tokens
         num_computed = request.num_computed_tokens = request.num_computed_tokens + num_tokens
+        self.chunks_left |= num_computed < request.num_tokens
         # A decode computes the one token the request sampled last; anything else is prefill.
         if num_tokens == 1 and num_computed > request.num_prompt_tokens:
             self.decode_req_ids.append(request.request_id)
