@@ -3,11 +3,11 @@ order, so that a step in which every running request decodes is planned and appl
 array operations instead of Python per request.
 
 The ``Request`` objects stay the truth: the scheduler writes their counters as before, and the
-table is a copy it keeps in step with them. Whatever changes requests one at a time (admission,
-a prompt chunk, preemption, an abort, a finish) marks the table stale, and the next all-decode step
-reads it again from the requests. ``version`` changes whenever rows may no longer be in the
-running order they had (a request left the list), so the rows a step in flight recorded are only
-used while it is unchanged.
+table is a copy it keeps in step with them. Whatever changes requests one at a time (admission, a
+prompt chunk, preemption, an abort) marks the table stale, and the next all-decode step reads it
+again from the requests; the rows of finished requests are dropped (``keep``). ``version`` changes
+whenever rows may no longer be where a step in flight recorded them (preemption, an abort, a finish
+while the table is stale), so those rows are only used while it is unchanged.
 """
 
 from __future__ import annotations

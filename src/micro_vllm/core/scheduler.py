@@ -387,13 +387,13 @@ class Scheduler:
         table.num_tokens[rows] += 1
         table.num_output_placeholders[rows] -= 1
         num_tokens = table.num_tokens[rows]
-        may_stop = ((num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
-                    | table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows))))
+        needs_own = ((num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
+                     | table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows))))
         if kv.enable_caching:  # a later step computed the token already: its block may be complete
-            may_stop |= ((table.num_computed_tokens[rows] == num_tokens)
-                         & (num_tokens // kv.block_size > table.num_hashed_blocks[rows]))
+            needs_own |= ((table.num_computed_tokens[rows] == num_tokens)
+                          & (num_tokens // kv.block_size > table.num_hashed_blocks[rows]))
         finished = []
-        checked = np.flatnonzero(may_stop)
+        checked = np.flatnonzero(needs_own)
         checked_rows = rows[checked].tolist()
         checked_requests = [running[row] for row in checked_rows]
         for request, i in zip(checked_requests, checked.tolist()):
