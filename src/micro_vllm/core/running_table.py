@@ -25,6 +25,9 @@ _COLUMNS = ("num_computed_tokens", "num_tokens", "num_output_placeholders", "max
             "num_held_tokens", "num_hashed_blocks", "has_grammar")
 
 
+_MAX_TOKEN_ID = np.iinfo(np.int64).max
+
+
 class RunningTable:
     def __init__(self) -> None:
         self.stale = True
@@ -35,9 +38,9 @@ class RunningTable:
         self.num_held_tokens = empty  # the tokens the request's KV blocks hold
         self.num_hashed_blocks = empty  # at most the leading blocks already hashed
         self.has_grammar = np.zeros(0, bool)
-        # Indexed by token id: whether the token ends some running request (its EOS unless
-        # ignore_eos, its stop_token_ids).
-        self.stops = np.zeros(0, bool)
+        # Sorted: every token that ends some running request (its EOS unless ignore_eos, its
+        # stop_token_ids).
+        self.stop_token_ids = np.zeros(0, np.int64)
 
     def invalidate(self, reordered: bool) -> None:
         """The requests changed one at a time; ``reordered``: a request left the running list."""
@@ -63,8 +66,8 @@ class RunningTable:
             stop_ids.update(params.stop_token_ids)
             if not params.ignore_eos:
                 stop_ids.update(request.eos_token_ids)
-        self.stops = np.zeros(max(stop_ids, default=-1) + 1, bool)
-        self.stops[list(stop_ids)] = True
+        # An id past int64 is never sampled.
+        self.stop_token_ids = np.array(sorted(t for t in stop_ids if t <= _MAX_TOKEN_ID), np.int64)
         self.stale = False
 
     def keep(self, kept: np.ndarray) -> np.ndarray:
@@ -78,10 +81,11 @@ class RunningTable:
 
     def may_stop_at(self, token_ids: np.ndarray) -> np.ndarray:
         """Whether each of ``token_ids`` ends some running request."""
-        stops = self.stops
-        if not len(stops):
+        stop_token_ids = self.stop_token_ids
+        if not len(stop_token_ids):
             return np.zeros(len(token_ids), bool)
-        return (token_ids < len(stops)) & stops[np.minimum(token_ids, len(stops) - 1)]
+        found = np.minimum(np.searchsorted(stop_token_ids, token_ids), len(stop_token_ids) - 1)
+        return stop_token_ids[found] == token_ids
 
     def update_kv_rows(self, rows: list[int], requests: list[Request], kv: KVCacheManager) -> None:
         """Read the KV counters of ``rows`` (holding ``requests``) again after they got blocks or hashes."""
