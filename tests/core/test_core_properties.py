@@ -31,6 +31,7 @@ class Arrival:
     max_tokens: int
     abort_after: int | None  # steps after arrival; None: runs to the end
     n: int = 1  # requests with this prompt, the first one their prompt leader
+    stop_token: int | None = None  # a token of the fake runner's vocabulary that ends the request
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ def arrivals(draw, prefixes: list[list[int]], max_model_len: int) -> Arrival:
     prompt = (prefix[:cut] + suffix)[: max_model_len - 1] or [1]
     abort_after = draw(st.one_of(st.none(), st.none(), st.integers(0, 12)))
     n = draw(st.sampled_from([1, 1, 1, 2, 3]))
-    return Arrival(draw(st.integers(0, 8)), tuple(prompt), draw(st.integers(1, 24)), abort_after, n)
+    stop_token = draw(st.one_of(st.none(), st.none(), st.integers(0, 4)))
+    return Arrival(draw(st.integers(0, 8)), tuple(prompt), draw(st.integers(1, 24)), abort_after, n, stop_token)
 
 
 @st.composite
@@ -87,7 +89,7 @@ def scenarios(draw, aborts: bool = True) -> Scenario:
     prefixes = draw(st.lists(st.lists(st.integers(1, 3), min_size=4, max_size=48), min_size=1, max_size=3))
     requests = draw(st.lists(arrivals(prefixes, max_model_len), min_size=1, max_size=10))
     if not aborts:
-        requests = [Arrival(a.step, a.prompt, a.max_tokens, None, a.n) for a in requests]
+        requests = [Arrival(a.step, a.prompt, a.max_tokens, None, a.n, a.stop_token) for a in requests]
     return Scenario(
         block_size=draw(st.sampled_from([1, 2, 4, 16])),
         specs=draw(st.sampled_from(list(SPECS))),
@@ -128,7 +130,9 @@ def run(
 
 
 def same_prompt_requests(arrival: Arrival) -> list[Request]:
-    requests = [make_request(list(arrival.prompt), max_tokens=arrival.max_tokens) for _ in range(arrival.n)]
+    stop_token_ids = [] if arrival.stop_token is None else [arrival.stop_token]
+    requests = [make_request(list(arrival.prompt), max_tokens=arrival.max_tokens, stop_token_ids=stop_token_ids)
+                for _ in range(arrival.n)]
     for request in requests[1:]:
         request.prompt_leader = requests[0]
     return requests
@@ -149,8 +153,52 @@ def test_invariants_hold_after_every_step(scenario):
         if request.request_id in aborted:
             assert request.status == RequestStatus.FINISHED_ABORTED
             continue
-        assert request.finish_reason == "length"
-        assert request.num_output_tokens == expected_output_len(request, scenario.max_model_len)
+        stop_token_ids = request.sampling_params.stop_token_ids
+        output = request.output_token_ids
+        assert not set(output[:-1]) & set(stop_token_ids), f"{request} went on past a stop token"
+        if request.finish_reason == "stop":
+            assert output[-1] in stop_token_ids and len(output) <= expected_output_len(request, scenario.max_model_len)
+        else:
+            assert request.finish_reason == "length"
+            assert request.num_output_tokens == expected_output_len(request, scenario.max_model_len)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_decode_fast_path_plans_and_applies_as_per_request(scenario):
+    """The array path for steps in which every running request decodes plans the same steps and
+    leaves the same requests as the per-request path, step by step."""
+    runs = []
+    for fast in (True, False):
+        scheduler = scenario.make_scheduler()
+        if not fast:
+            scheduler._schedule_decodes = lambda step: None
+        plans = []
+        schedule = scheduler.schedule
+        scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        requests, aborted, _ = run(scenario, scheduler)
+        # Request ids differ between the runs: name each by its place in the scenario.
+        name = {r.request_id: i for i, r in enumerate(requests)}
+        runs.append(([plan_by_name(plan, name) for plan in plans],
+                     [(r.status, r.all_token_ids, r.num_preemptions) for r in requests],
+                     sorted(name[i] for i in aborted)))
+    (fast_plans, *fast_rest), (slow_plans, *slow_rest) = runs
+    assert len(fast_plans) == len(slow_plans)
+    for step, (fast_plan, slow_plan) in enumerate(zip(fast_plans, slow_plans)):
+        assert fast_plan == slow_plan, f"step {step} is planned differently"
+    assert fast_rest == slow_rest
+
+
+def plan_by_name(plan, name: dict[str, int]) -> tuple:
+    """Everything a plan says, with each request id replaced by ``name[id]``."""
+    cached = plan.scheduled_cached_reqs
+    return (
+        [(name[new.req_id], new.token_ids, new.block_ids, new.num_computed_tokens) for new in plan.scheduled_new_reqs],
+        [name[req_id] for req_id in cached.req_ids], cached.new_block_ids, cached.num_computed_tokens,
+        [(name[req_id], n) for req_id, n in plan.num_scheduled_tokens.items()],
+        sorted(name[req_id] for req_id in plan.finished_req_ids),
+        sorted(name[req_id] for req_id in plan.preempted_req_ids),
+    )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

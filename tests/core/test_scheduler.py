@@ -93,6 +93,28 @@ def test_stop_conditions():
     assert capped.finish_reason == "length" and capped.num_tokens == 12 and capped.stop_reason is None
 
 
+def test_stop_tokens_end_requests_that_decode_together():
+    """A step in which every request decodes is planned and applied with arrays; it stops the same
+    requests as the per-request path (a stop id past int64 is never sampled)."""
+    scheduler = make_scheduler()
+    stop = make_request(4, max_tokens=10, stop_token_ids=[2**70, 7])
+    eos = make_request(4, max_tokens=10)
+    eos.sampling_params = eos.sampling_params.__class__(max_tokens=10)  # honours EOS (token 0 here)
+    other = make_request(4, max_tokens=10)
+    for r in (stop, eos, other):
+        scheduler.add_request(r)
+    assert scheduler.update_from_output(fake_output(scheduler.schedule(), scheduler, token=3)) == []  # the prompts
+    plan = scheduler.schedule()
+    assert not scheduler.table.stale and dict(plan.num_scheduled_tokens) == dict.fromkeys(scheduler.requests, 1)
+    assert scheduler.update_from_output(fake_output(plan, scheduler, token=7)) == [stop]
+    assert stop.stop_reason == 7 and stop.output_token_ids == [3, 7]
+    assert scheduler.update_from_output(fake_output(scheduler.schedule(), scheduler, token=0)) == [eos]
+    assert other.output_token_ids == [3, 7, 0] and not other.is_finished
+    run_to_completion(scheduler)
+    assert other.finish_reason == "length"
+    check_all_free(scheduler)
+
+
 def test_request_that_can_never_fit_is_refused():
     scheduler = make_scheduler(num_blocks=5, block_size=4, max_model_len=64)
     with pytest.raises(ValueError, match="can never fit"):

@@ -62,7 +62,7 @@ class KVCacheManager:
         self._no_hit: BlocksPerGroup = [[] for _ in groups]  # read only
         self._no_new_blocks: BlocksPerGroup = [[] for _ in groups]  # read only
         # Without a sliding window no block is ever released before the request ends.
-        self._full_attention_only = all(g.spec.sliding_window is None for g in groups)
+        self.full_attention_only = all(g.spec.sliding_window is None for g in groups)
         # Every group's table covers the same tokens and every group has hashed the same leading
         # blocks, so the first group's answers whether a step needs any block or any hash (most
         # decode steps need neither).
@@ -138,7 +138,7 @@ class KVCacheManager:
         when the pool cannot hold them; nothing changes then but the sliding windows' cleanup."""
         request_id = request.request_id
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if (new_computed_blocks is None and self._full_attention_only
+        if (new_computed_blocks is None and self.full_attention_only
                 and num_tokens <= len(self._first_blocks[request_id]) * self.block_size):
             # No group needs a block (cache_blocks hashes one only when the step fills it).
             self.cache_blocks(request, num_tokens)
@@ -208,6 +208,14 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         for manager in self.managers:
             manager.free(request.request_id)
+
+    def num_held_tokens(self, request_id: str) -> int:
+        """The tokens the request's blocks can hold (every group's table covers the same tokens)."""
+        return len(self._first_blocks.get(request_id, ())) * self.block_size
+
+    def num_hashed_blocks(self, request_id: str) -> int:
+        """The request's leading blocks already hashed (all groups hash the same ones)."""
+        return self._first_num_cached_blocks.get(request_id, 0)
 
     def get_block_ids(self, request_id: str) -> BlockIds:
         return tuple(tuple(b.block_id for b in m.req_to_blocks.get(request_id, ())) for m in self.managers)

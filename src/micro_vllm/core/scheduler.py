@@ -17,12 +17,16 @@ step that samples for one.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from micro_vllm.config import SchedulerConfig
-from micro_vllm.core.kv_cache_manager import KVCacheManager
+from micro_vllm.core.kv_cache_manager import BlocksPerGroup, KVCacheManager
 from micro_vllm.core.request import Request, RequestStatus
+from micro_vllm.core.running_table import RunningTable
 from micro_vllm.core.scheduler_output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from micro_vllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from micro_vllm.outputs import ModelRunnerOutput
@@ -41,6 +45,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
+        # The running requests' counters as arrays, for steps in which all of them decode.
+        self.table = RunningTable()
+        # Per planned step whose output is not applied yet, oldest first: the table's version then and
+        # the table rows it decoded, or None when it was planned request by request.
+        self.planned_rows: deque[tuple[int, np.ndarray | None]] = deque()
+        # The last plan left a request with known tokens to compute (a prompt in chunks): the next
+        # step will not be all decodes, so reading the table for it is wasted.
+        self.chunks_left = False
         self.finished_req_ids: set[str] = set()  # since the last plan; the runner drops them
         self.stats = self.make_stats()  # made with each plan, while that step's blocks are held
         # Set by the engine with the first structured-output request: the default path never loads it.
@@ -89,6 +101,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+                self.table.invalidate(reordered=True)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -106,6 +119,8 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.finished_req_ids.clear()  # the runner forgets every request too
+        self.planned_rows.clear()
+        self.table.invalidate(reordered=True)
         self.kv_cache_manager.reset()
         return aborted
 
@@ -121,10 +136,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(self.config.max_num_batched_tokens)
         self.kv_cache_manager.start_step()
-        self._schedule_running(step)
+        decode_rows = self._schedule_decodes(step)
+        if decode_rows is None:
+            self._schedule_running(step)
+            self.table.invalidate(reordered=False)  # a preemption has reordered it already
         # Admitting requests right after preempting others would only thrash the cache.
         if not step.preempted:
+            num_running = len(self.running)
             self._schedule_waiting(step)
+            if len(self.running) > num_running:
+                self.table.invalidate(reordered=False)
         plan = SchedulerOutput(
             scheduled_new_reqs=tuple(step.new_reqs),
             scheduled_cached_reqs=CachedRequestData(tuple(step.cached_req_ids), tuple(step.cached_new_block_ids),
@@ -137,8 +158,11 @@ class Scheduler:
             grammar_bitmask=self.get_grammar_bitmask(step.structured_output_requests),
         )
         self.finished_req_ids.clear()
+        self.chunks_left = step.chunks_left
         if plan.is_empty:
             self.kv_cache_manager.cancel_step()
+        else:
+            self.planned_rows.append((self.table.version, decode_rows))
         self.stats = self.make_stats(step)
         return plan
 
@@ -182,18 +206,81 @@ class Scheduler:
                 continue
             num_computed = request.num_computed_tokens
             num_new = min(num_known - num_computed, step.budget, request.max_chunk_tokens)
-            new_blocks = kv.allocate_slots(request, num_new)
-            while new_blocks is None:
-                victim = running.pop()
-                self._preempt(victim)
-                step.preempted.append(victim)
-                if victim is request:
-                    return
-                new_blocks = kv.allocate_slots(request, num_new)
+            new_blocks = self._allocate_or_preempt(request, num_new, step)
+            if new_blocks is None:
+                return
             step.cached_req_ids.append(request.request_id)
             step.cached_new_block_ids.append(kv.to_block_ids(new_blocks))
             step.cached_num_computed_tokens.append(num_computed)
             step.add(request, num_new)
+
+    def _schedule_decodes(self, step: _StepBuilder) -> np.ndarray | None:
+        """Plan a step in which every running request that computes anything decodes one token, as
+        ``_schedule_running`` would, with array operations over all of them. Only the requests that
+        need a new block, a block hashed, or a grammar's bitmask go through ``allocate_slots`` one
+        at a time. Returns the table rows planned; None, having planned nothing, when a request has
+        more than one token to compute (or the last plan left one so), the budget is short, or a
+        sliding window may free blocks."""
+        kv = self.kv_cache_manager
+        running = self.running
+        if not running or not kv.full_attention_only or self.chunks_left:
+            return None
+        table = self.table
+        table.refresh(running, kv)
+        num_known = table.num_tokens + table.num_output_placeholders
+        # The rest has a step in flight that samples its last allowed token.
+        rows = np.flatnonzero(num_known < table.max_num_tokens)
+        num_computed = table.num_computed_tokens[rows]
+        if len(rows) > step.budget or (num_known[rows] - num_computed != 1).any():
+            return None
+        needs_own = (num_computed >= table.num_held_tokens[rows]) | table.has_grammar[rows]
+        if kv.enable_caching:  # the step completes a block whose tokens are known: it is hashed
+            num_full = np.minimum(num_computed + 1, table.num_tokens[rows]) // kv.block_size
+            needs_own |= num_full > table.num_hashed_blocks[rows]
+        new_block_ids = [None] * len(rows)
+        own_rows, own_requests = [], []
+        for i in np.flatnonzero(needs_own).tolist():
+            row = int(rows[i])
+            if row >= len(running):  # preempted for an earlier request
+                break
+            request = running[row]
+            new_blocks = self._allocate_or_preempt(request, 1, step)
+            if new_blocks is None:
+                break
+            new_block_ids[i] = kv.to_block_ids(new_blocks)
+            own_rows.append(row)
+            own_requests.append(request)
+            if request.grammar is not None:
+                step.structured_output_requests.append(request)
+        if step.preempted:  # from the newest end: the requests planned are those still running
+            num_planned = int(np.searchsorted(rows, len(running)))
+            rows, num_computed = rows[:num_planned], num_computed[:num_planned]
+            new_block_ids = new_block_ids[:num_planned]
+        table.update_kv_rows(own_rows, own_requests, kv)
+        table.num_computed_tokens[rows] += 1
+        table.num_output_placeholders[rows] += 1  # each samples its next token
+        requests = [running[row] for row in rows.tolist()]
+        for request in requests:
+            request.num_computed_tokens += 1
+            request.num_output_placeholders += 1
+        # A one-token step that computes a prompt's last token is no decode.
+        step.add_decodes([r.request_id for r in requests], new_block_ids, num_computed.tolist(),
+                         num_computed >= table.num_prompt_tokens[rows])
+        return rows
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> BlocksPerGroup | None:
+        """``allocate_slots`` for a running request, preempting from the newest end until the pool
+        holds it; None when the request itself was preempted."""
+        kv = self.kv_cache_manager
+        new_blocks = kv.allocate_slots(request, num_new)
+        while new_blocks is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return None
+            new_blocks = kv.allocate_slots(request, num_new)
+        return new_blocks
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         """Admit waiting requests in arrival order while the budgets and the pool allow."""
@@ -238,36 +325,97 @@ class Scheduler:
 
         With async scheduling a later step may already be planned: a request that stops here was
         planned once more, and that step's token for it is dropped (it is gone from ``requests``)."""
-        kv = self.kv_cache_manager
-        if output.req_ids:  # an empty plan has nothing to confirm
-            kv.confirm_step()
+        if not output.req_ids:  # an empty plan has nothing to confirm
+            return []
+        self.kv_cache_manager.confirm_step()
+        version, rows = self.planned_rows.popleft()
+        if rows is not None and version == self.table.version and len(rows) == len(output.req_ids):
+            finished = self._update_decodes(output, rows)
+        else:
+            finished = self._update_requests(output)
+        if finished:
+            # One pass over the running list per step, not one search per finished request.
+            finished_ids = {r.request_id for r in finished}
+            kept = [r.request_id not in finished_ids for r in self.running]
+            self.running = [r for r, keep in zip(self.running, kept) if keep]
+            self._drop_table_rows(np.array(kept, bool))
+            for request in finished:
+                self._free(request)
+        return finished
+
+    def _drop_table_rows(self, kept: np.ndarray) -> None:
+        """Requests left the running list (``kept``: which stayed): drop their rows from the table
+        and from the steps in flight, which find -1 there."""
+        table = self.table
+        if table.stale:
+            table.invalidate(reordered=True)
+            return
+        new_rows = table.keep(kept)
+        self.planned_rows = deque((version, None if rows is None or version != table.version else new_rows[rows])
+                                  for version, rows in self.planned_rows)
+
+    def _update_requests(self, output: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's tokens one request at a time; return the requests that stop."""
         requests = self.requests
         finished = []
         for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = requests.get(request_id)
             if request is None or not token_ids:  # finished or aborted meanwhile, or a middle prompt chunk
                 continue
-            token_id = token_ids[0]
             request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
-                raise RuntimeError(f"request {request_id!r} sampled token {token_id}, which its grammar forbids")
-            num_tokens = request.num_tokens
-            if request.num_computed_tokens == num_tokens:  # a later step computed it already
-                kv.cache_blocks(request, num_tokens)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                if request.status is RequestStatus.PREEMPTED:  # while its last token was in flight
-                    self.waiting.remove(request)
-                request.status = status
-                finished.append(request)
-        if finished:
-            # One pass over the running list per step, not one search per finished request.
-            finished_ids = {r.request_id for r in finished}
-            self.running = [r for r in self.running if r.request_id not in finished_ids]
-            for request in finished:
-                self._free(request)
+            request.append_output_token(token_ids[0])
+            self._after_token(request, token_ids, finished)
+        self.table.invalidate(reordered=False)
         return finished
+
+    def _update_decodes(self, output: ModelRunnerOutput, rows: np.ndarray) -> list[Request]:
+        """Apply the tokens of a step that ``_schedule_decodes`` planned (at table ``rows``, no request
+        having left the running list since): one token each, appended in one pass, the counters
+        updated as arrays. ``_after_token`` runs only for the requests that may stop (by length,
+        stop token or grammar) or complete a block to hash."""
+        kv, table, running = self.kv_cache_manager, self.table, self.running
+        table.refresh(running, kv)
+        sampled = output.sampled_token_ids
+        if rows.min(initial=0) < 0:  # requests that finished since the step was planned
+            sampled = [ids for ids, row in zip(sampled, rows.tolist()) if row >= 0]
+            rows = rows[rows >= 0]
+        for row, token_ids in zip(rows.tolist(), sampled):
+            request = running[row]
+            request.all_token_ids.append(token_ids[0])
+            request.num_tokens += 1
+            request.num_output_placeholders -= 1
+        table.num_tokens[rows] += 1
+        table.num_output_placeholders[rows] -= 1
+        num_tokens = table.num_tokens[rows]
+        needs_own = ((num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
+                     | table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows))))
+        if kv.enable_caching:  # a later step computed the token already: its block may be complete
+            needs_own |= ((table.num_computed_tokens[rows] == num_tokens)
+                          & (num_tokens // kv.block_size > table.num_hashed_blocks[rows]))
+        finished = []
+        checked = np.flatnonzero(needs_own)
+        checked_rows = rows[checked].tolist()
+        checked_requests = [running[row] for row in checked_rows]
+        for request, i in zip(checked_requests, checked.tolist()):
+            self._after_token(request, sampled[i], finished)
+        table.update_kv_rows(checked_rows, checked_requests, kv)
+        return finished
+
+    def _after_token(self, request: Request, token_ids: list[int], finished: list[Request]) -> None:
+        """What follows a request's new token: its grammar accepts it, a block it completes is
+        hashed, and the request stops (appended to ``finished``) or goes on."""
+        token_id = token_ids[0]
+        if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
+            raise RuntimeError(f"request {request.request_id!r} sampled token {token_id}, which its grammar forbids")
+        num_tokens = request.num_tokens
+        if request.num_computed_tokens == num_tokens:  # a later step computed it already
+            self.kv_cache_manager.cache_blocks(request, num_tokens)
+        status = self._check_stop(request, token_id)
+        if status is not None:
+            if request.status is RequestStatus.PREEMPTED:  # while its last token was in flight
+                self.waiting.remove(request)
+            request.status = status
+            finished.append(request)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -305,6 +453,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.table.invalidate(reordered=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -321,7 +470,7 @@ class _StepBuilder:
 
     __slots__ = ("budget", "num_tokens", "num_scheduled", "new_reqs", "cached_req_ids", "cached_new_block_ids",
                  "cached_num_computed_tokens", "preempted", "decode_req_ids", "structured_output_requests",
-                 "prefix_cache_queries", "prefix_cache_hits")
+                 "prefix_cache_queries", "prefix_cache_hits", "chunks_left")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens still free under max_num_batched_tokens
@@ -336,6 +485,19 @@ class _StepBuilder:
         self.decode_req_ids: list[str] = []
         self.structured_output_requests: list[Request] = []  # those that sample under a grammar
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, of the requests admitted
+        self.chunks_left = False  # a request planned here has known tokens left to compute
+
+    def add_decodes(self, req_ids: list[str], new_block_ids: list[BlockIds | None], num_computed: list[int],
+                    is_decode: np.ndarray) -> None:
+        """Schedule one token of each of ``req_ids``, which the runner holds; the caller has counted
+        them as computed and their placeholders."""
+        self.cached_req_ids += req_ids
+        self.cached_new_block_ids += new_block_ids
+        self.cached_num_computed_tokens += num_computed
+        self.num_scheduled.update(dict.fromkeys(req_ids, 1))
+        self.budget -= len(req_ids)
+        self.num_tokens += len(req_ids)
+        self.decode_req_ids += req_ids if is_decode.all() else [req_ids[i] for i in np.flatnonzero(is_decode)]
 
     def add(self, request: Request, num_tokens: int) -> None:
         """Schedule ``num_tokens`` of ``request``: they count as computed from now on, and a step
@@ -344,6 +506,7 @@ class _StepBuilder:
         self.budget -= num_tokens
         self.num_tokens += num_tokens
         num_computed = request.num_computed_tokens = request.num_computed_tokens + num_tokens
+        self.chunks_left |= num_computed < request.num_tokens
         # A decode computes the one token the request sampled last; anything else is prefill.
         if num_tokens == 1 and num_computed > request.num_prompt_tokens:
             self.decode_req_ids.append(request.request_id)
