@@ -139,7 +139,7 @@ class KVCacheManager:
         request_id = request.request_id
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if (new_computed_blocks is None and self.full_attention_only
-                and num_tokens <= len(self._first_blocks[request_id]) * self.block_size):
+                and num_tokens <= self.num_held_tokens(request_id)):
             # No group needs a block (cache_blocks hashes one only when the step fills it).
             self.cache_blocks(request, num_tokens)
             return self._no_new_blocks
@@ -165,7 +165,7 @@ class KVCacheManager:
         still in flight is hashed once its id is known."""
         if not self.enable_caching:
             return
-        num_hashed = self._first_num_cached_blocks.get(request.request_id, 0)
+        num_hashed = self.num_hashed_blocks(request.request_id)
         block_size = self.block_size
         if num_computed_tokens // block_size <= num_hashed or request.num_tokens // block_size <= num_hashed:
             return
