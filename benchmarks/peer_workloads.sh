@@ -5,7 +5,8 @@
 # and the checkpoint in /root/qwen3r). vLLM runs both workloads in one process, paying its start-up
 # (about 75 s) once; micro-vLLM runs one process per workload. Both engines get the same
 # max_model_len, the long-context workload's. Each workload is timed twice per engine, each run from
-# an empty prefix cache. Logs land in $OUT; BUDGET_S bounds the whole run (default 540 s).
+# an empty prefix cache. Logs land in $OUT; BUDGET_S bounds the whole run (default 540 s);
+# KV_CACHE_DTYPE (auto or fp8, default auto) sets both engines' KV cache dtype.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -14,6 +15,7 @@ T0=$(date +%s); DEADLINE=$(( T0 + ${BUDGET_S:-540} ))
 left() { echo $(( DEADLINE - $(date +%s) )); }
 WORKLOADS="shared-prefix long-context"
 MAX_MODEL_LEN=8512  # the long-context workload's 8,000 prompt tokens + 512 output tokens
+KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-auto}
 
 if [ ! -d /root/vx/vllm ]; then  # unpacked as compare.sh does
   [ -f /root/vx/vllm.tar.xz.part00 ] || { echo "no vLLM part 1 in /root/vx: run stage.sh first"; exit 3; }
@@ -30,7 +32,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 PYTHONPATH=/root/vx:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout $(( $(left) < 300 ? $(left) : 300 )) \
   python3 benchmarks/vllm_workloads.py --model /root/qwen3r --workload $WORKLOADS --repeat 2 \
-  --max-model-len $MAX_MODEL_LEN > "$OUT/vllm_workloads.log" 2>&1
+  --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE > "$OUT/vllm_workloads.log" 2>&1
 echo "== vllm rc=$? ($(( $(date +%s) - T0 ))s into the run)"
 grep -E "^RESULT|FAILED|Traceback|Error" "$OUT/vllm_workloads.log" | grep -v "_moe_C" | cut -c1-600 | tail -8
 
@@ -39,7 +41,7 @@ while [ $# -gt 0 ]; do  # the time left is shared out evenly among the workloads
   workload=$1; shift
   PYTHONPATH="$PWD/src:$PWD/benchmarks" timeout $(( ($(left) - 5) / ($# + 1) )) \
     python3 benchmarks/throughput.py --model /root/qwen3r --workload "$workload" --repeat 2 \
-    --max-model-len $MAX_MODEL_LEN > "$OUT/ours_$workload.log" 2>&1
+    --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE > "$OUT/ours_$workload.log" 2>&1
   echo "== micro-vllm $workload rc=$? ($(( $(date +%s) - T0 ))s into the run)"
   grep -E "^workload|^micro-vllm|Traceback|Error" "$OUT/ours_$workload.log" | cut -c1-400 | tail -6
 done

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=["recipe"])
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of each workload")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the largest of the workloads'")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's option: auto (the model's dtype) or fp8")
     args = parser.parse_args(argv)
 
     import vllm
@@ -55,12 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = args.max_model_len or max(w.max_model_len for w in workloads.values())
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=0.9,
-              skip_tokenizer_init=True, seed=0)
+              skip_tokenizer_init=True, seed=0, kv_cache_dtype=args.kv_cache_dtype)
     startup = time.perf_counter() - start
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}],
                  [SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False)], use_tqdm=False)
     result(dict(step="vllm_start", system=f"vLLM {vllm.__version__}", startup_s=round(startup, 1),
-                max_model_len=max_model_len, config=engine_config(llm)))
+                max_model_len=max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+                config=engine_config(llm)))
 
     for name, workload in workloads.items():
         inputs = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
