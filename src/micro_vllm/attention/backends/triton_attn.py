@@ -29,7 +29,10 @@ starting last and running alone at the end.
 
 An fp8 cache (``kv_cache_dtype="fp8"``) holds one byte per value: the kernels convert K/V as they
 store them (saturating, ``_to_cache_dtype``) and widen each loaded tile to the query's dtype, so the
-products and the softmax run as with a cache in the model's dtype, on half the bytes.
+products and the softmax run as with a cache in the model's dtype, on half the bytes. A bf16 query
+is first converted to fp16 (clamped to its range; fp16 holds bf16's values of that range exactly or
+more precisely): the GPU widens two fp8 values to fp16 in one instruction, where bf16 takes several,
+and with bf16 tiles the widening, not the reading, bounded the kernel.
 
 Head sizes need not be powers of two (80, 96, 12...): the kernels work on ``HEAD_PAD`` lanes, the
 head size rounded up to a power of two and to at least 16 (``tl.arange`` and ``tl.dot`` need both),
@@ -182,7 +185,7 @@ def _attend_tile(
         page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
         k_mask, v_mask = dim_valid[:, None], dim_valid[None, :]
     offset = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_tok
-    # An fp8 cache widens to the query's type here, so both products run as without it.
+    # An fp8 cache widens to the query's type here (fp16 for a bf16 model), so both products run as without it.
     k = tl.load(k_base + offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
     v = tl.load(v_base + offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
 
@@ -285,6 +288,9 @@ def _attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        if q.dtype == tl.bfloat16:  # the fp8 tiles then widen to fp16 (module docstring)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this query block can see: causal end at its last query, window start at its first.
     key_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
