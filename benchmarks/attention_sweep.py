@@ -1,6 +1,6 @@
 """Time the Triton attention kernel under several tile shapes, on the benchmark model's shapes.
 
-    python benchmarks/attention_sweep.py [--json results.jsonl]
+    python benchmarks/attention_sweep.py [--json results.jsonl] [--part decode] [--kv-cache-dtype fp8]
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
 100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer) under the
@@ -13,7 +13,8 @@ Qwen3-0.6B's attention: 16 query heads, 8 KV heads of 128, bf16, pages in random
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
 CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as the engine runs decodes: timed
 as eager calls, batches of 64 requests or fewer measured the host's launch overhead (2026-11-29).
-Decode reports K/V read in TB/s, prefill TFLOP/s.
+Decode reports K/V read in TB/s, prefill TFLOP/s. ``--kv-cache-dtype fp8`` stores the cache in
+float8 e4m3 (as ``kv_cache_dtype="fp8"`` does), so decode reads half the bytes.
 ``tests/helpers/hopper_compile.py`` reports each shape's registers and spills without a GPU.
 """
 
@@ -27,7 +28,7 @@ import random
 import torch
 
 from micro_vllm.attention.backends import triton_attn
-from micro_vllm.attention.backends.abstract import CommonAttentionMetadata
+from micro_vllm.attention.backends.abstract import CommonAttentionMetadata, to_cache_dtype
 
 Tiles = triton_attn._Tiles
 # The decode shape in use. Others lost at 256 requests: 16 x 64 and 16 x 32 keys, 8 warps (13 to 20%
@@ -46,9 +47,11 @@ SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 reque
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
 
-def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype=torch.bfloat16, seed: int = 0):
+def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype=torch.bfloat16, seed: int = 0,
+              cache_dtype: torch.dtype | None = None):
     """A step's query, paged K/V cache, metadata and new K/V rows: request i has ``context_lens[i]``
-    cached tokens and ``query_lens[i]`` new ones, its pages scattered over the cache."""
+    cached tokens and ``query_lens[i]`` new ones, its pages scattered over the cache, which holds
+    ``cache_dtype`` (default: ``dtype``)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     pages_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens]
@@ -59,7 +62,8 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
     for i, n in enumerate(pages_per_req):
         table[i, :n] = torch.tensor(order[start : start + n], dtype=torch.int32)
         start += n
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    kv_cache = to_cache_dtype(torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen),
+                              cache_dtype or dtype)
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
     new_kv = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)  # the step's own K/V
@@ -118,17 +122,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     parser.add_argument("--part", choices=("all", "decode", "prefill"), default="all")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the cache's dtype: auto (the query's, bf16) or fp8 (float8 e4m3)")
     args = parser.parse_args()
     rng = random.Random(0)
+    cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
 
     rows = []
     decode_batches = ((256, 100), (128, 500), (64, 800), (32, 800), (16, 800), (8, 800))
     for num_reqs, shortest in decode_batches if args.part != "prefill" else ():
         contexts = [rng.randint(shortest, 2047) for _ in range(num_reqs)]
-        query, kv_cache, metadata, new_kv = make_step([1] * num_reqs, contexts, "cuda")
+        query, kv_cache, metadata, new_kv = make_step([1] * num_reqs, contexts, "cuda", cache_dtype=cache_dtype)
         order = torch.argsort(-metadata.common.seq_lens.long(), stable=True).to(torch.int32)  # as the runner orders
         decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order), new_kv)
-        kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * 2  # K and V, bf16
+        kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache_dtype.itemsize  # K and V
         # Splits only where (request, KV head) pairs alone leave SMs idle: with 128 requests or more
         # two splits were slower or within 1.1% (e1cdfbb).
         splits = SPLITS if num_reqs <= 64 else (None,)
@@ -137,13 +144,13 @@ def main() -> None:
     if args.part != "decode":
         query_lens = [1024] * 16 + [1] * 64
         context_lens = [0] * 16 + [rng.randint(100, 2047) for _ in range(64)]
-        prefill = make_step(query_lens, context_lens, "cuda", seed=1)
+        prefill = make_step(query_lens, context_lens, "cuda", seed=1, cache_dtype=cache_dtype)
         # QK^T and PV over the causal half of each prompt, every query head: 2 * 2 * D FLOPs per pair.
         pairs = sum(q * (q + 1) // 2 + q * c for q, c in zip(query_lens, context_lens))
         rows += sweep("prefill", prefill, PREFILL_TILES, 4 * HEAD_SIZE * NUM_HEADS * pairs, "TFLOP/s")
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps({"benchmark": "attention_sweep", "rows": rows}) + "\n")
+            f.write(json.dumps({"benchmark": "attention_sweep", "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,11 +31,12 @@ def results_table(lines: list[str]) -> str:
                                 f"{part['output_tokens'] / part['seconds']:,.0f} output tok/s "
                                 f"({part['output_tokens']:,} tokens in {part['seconds']} s) |")
         elif record["benchmark"] == "attention_sweep":
+            fp8 = " (fp8 KV cache)" if record.get("kv_cache_dtype", "auto") != "auto" else ""
             for row in record["rows"]:
                 tiles, unit = row["tiles"], "TB/s" if "TB/s" in row else "TFLOP/s"
                 splits = row.get("splits") or ("auto" if row["batch"].startswith("decode") else None)
                 splits = f", {splits} splits" if splits else ""
-                rows.append(f"| attention sweep | {row['batch']}: {tiles['block_m']} x {tiles['tile_n']} tiles, "
+                rows.append(f"| attention sweep{fp8} | {row['batch']}: {tiles['block_m']} x {tiles['tile_n']} tiles, "
                             f"{tiles['num_warps']} warps, {tiles['num_stages']} stages{splits} | "
                             f"{1000 * row['ms']:.1f} us, {row[unit]:.2f} {unit} |")
         elif record["benchmark"] == "gemm_shapes":

@@ -166,19 +166,25 @@ def test_results_table_has_a_row_per_measurement():
          "ms": 0.2, "TB/s": 3.0, "max_abs_diff": 0.0},
         {"batch": "decode 64", "tiles": {"block_m": 16, "tile_n": 128, "num_warps": 4, "num_stages": 3},
          "splits": 2, "ms": 0.1, "TB/s": 2.5, "max_abs_diff": 0.0}]})
+    fp8_sweep_line = json.dumps({"benchmark": "attention_sweep", "kv_cache_dtype": "fp8", "rows": [
+        {"batch": "decode 256", "tiles": {"block_m": 16, "tile_n": 128, "num_warps": 4, "num_stages": 3},
+         "ms": 0.24, "TB/s": 2.4, "max_abs_diff": 0.0}]})
     gemm_line = json.dumps({"benchmark": "gemm_shapes", "rows": [
         {"blas": "cublas", "batch": 8, "matmul": "o_proj", "per_step": 28, "us": 4.0, "weight_TB/s": 1.05},
         {"blas": "cublas", "batch": 8, "matmul": "lm_head", "per_step": 1, "us": 90.0, "weight_TB/s": 3.46}]})
-    table = results_table.results_table([throughput_line, latency_line, sweep_line, gemm_line]).splitlines()
+    table = results_table.results_table([throughput_line, latency_line, sweep_line, fp8_sweep_line,
+                                          gemm_line]).splitlines()
     assert table[2] == "| throughput | --custom-ops=none,+sampler | 14,279 output tok/s (133,966 tokens in 9.382 s, 1,033 steps) |"
     assert table[3].startswith("| transformers, 16 requests | same process | 140 output tok/s")
     assert table[4] == "| latency | batch 1, prompt 512, output 128 | TTFT 17.8 ms, TPOT 1.79 ms |"
     assert table[5] == "| latency | batch 1, prompt 512, output 128, run 2 | TTFT 9.1 ms, TPOT 1.70 ms |"
     assert table[6] == "| attention sweep | decode: 16 x 64 tiles, 8 warps, 3 stages, auto splits | 200.0 us, 3.00 TB/s |"
     assert table[7] == "| attention sweep | decode 64: 16 x 128 tiles, 4 warps, 3 stages, 2 splits | 100.0 us, 2.50 TB/s |"
-    assert table[8] == ("| gemm shapes | cublas, batch 8 | 202 us per step: o_proj 4.0 us (1.05 TB/s), "
+    assert table[8] == ("| attention sweep (fp8 KV cache) | decode 256: 16 x 128 tiles, 4 warps, 3 stages, "
+                        "auto splits | 240.0 us, 2.40 TB/s |")
+    assert table[9] == ("| gemm shapes | cublas, batch 8 | 202 us per step: o_proj 4.0 us (1.05 TB/s), "
                         "lm_head 90.0 us (3.46 TB/s) |")
-    assert len(table) == 9
+    assert len(table) == 10
 
 
 def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatch):
@@ -217,6 +223,15 @@ def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatc
     assert launches[-1]["NUM_SPLITS"] == 2
     assert triton_attn._num_splits.__name__ == "_num_splits"  # restored
     torch.testing.assert_close(split, sweep.attend(step, None), atol=1e-4, rtol=1e-4)
+
+    # --kv-cache-dtype fp8: the cache holds e4m3 values, and attention over it is attention over
+    # those values widened (the step's new K/V too, which the launch rounds as the cache stores them).
+    query, kv_cache, metadata, new_kv = sweep.make_step([1, 1], [40, 9], "cpu", dtype=torch.float32,
+                                                        cache_dtype=torch.float8_e4m3fn)
+    assert kv_cache.dtype == torch.float8_e4m3fn
+    widened = (query, kv_cache.float(), metadata, new_kv.to(torch.float8_e4m3fn).float())
+    torch.testing.assert_close(sweep.attend((query, kv_cache, metadata, new_kv), None), sweep.attend(widened, None),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_workloads_are_deterministic_pure_python_and_have_their_promised_shapes():
