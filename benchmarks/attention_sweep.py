@@ -3,7 +3,8 @@
     python benchmarks/attention_sweep.py [--json results.jsonl] [--part decode] [--kv-cache-dtype fp8]
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
-100 to 2,047 tokens, and the smaller batches of its long tail, whose contexts are longer) under the
+100 to 2,047 tokens, the smaller batches of its long tail, whose contexts are longer, and the
+long-context workload's 32 requests of 8,000 to 8,511 tokens) under the
 decode tile shape, timed as layers run them (``write_and_attend``: the new keys join in the
 attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
 per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
@@ -129,9 +130,12 @@ def main() -> None:
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
 
     rows = []
-    decode_batches = ((256, 100), (128, 500), (64, 800), (32, 800), (16, 800), (8, 800))
-    for num_reqs, shortest in decode_batches if args.part != "prefill" else ():
-        contexts = [rng.randint(shortest, 2047) for _ in range(num_reqs)]
+    # (requests, shortest and longest context): the recipe's batches, then the long-context
+    # workload's decodes (benchmarks/workloads.py: 8,000-token prompts, up to 512 tokens out).
+    decode_batches = ((256, 100, 2047), (128, 500, 2047), (64, 800, 2047), (32, 800, 2047), (16, 800, 2047),
+                      (8, 800, 2047), (32, 8000, 8511))
+    for num_reqs, shortest, longest in decode_batches if args.part != "prefill" else ():
+        contexts = [rng.randint(shortest, longest) for _ in range(num_reqs)]
         query, kv_cache, metadata, new_kv = make_step([1] * num_reqs, contexts, "cuda", cache_dtype=cache_dtype)
         order = torch.argsort(-metadata.common.seq_lens.long(), stable=True).to(torch.int32)  # as the runner orders
         decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order), new_kv)
@@ -139,7 +143,8 @@ def main() -> None:
         # Splits only where (request, KV head) pairs alone leave SMs idle: with 128 requests or more
         # two splits were slower or within 1.1% (e1cdfbb).
         splits = SPLITS if num_reqs <= 64 else (None,)
-        rows += sweep(f"decode {num_reqs}", decode, DECODE_TILES, kv_bytes, "TB/s", splits)
+        name = f"decode {num_reqs}" + (f" of {shortest:,}+" if shortest > 2047 else "")
+        rows += sweep(name, decode, DECODE_TILES, kv_bytes, "TB/s", splits)
 
     if args.part != "decode":
         query_lens = [1024] * 16 + [1] * 64
