@@ -12,7 +12,6 @@ the next step although the host does not know it yet (async scheduling).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -124,7 +123,7 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         for group_id in range(len(self.block_tables)):
             self.num_blocks[group_id][row] = 0
-        self.append_block_ids(np.array([row]), [new.block_ids])
+        self.append_block_ids([row], [new.block_ids])
         params = new.sampling_params
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k if params.top_k > 0 else 0
@@ -150,20 +149,15 @@ class InputBatch:
             return -1
         return self.vocab_size if requested == -1 else requested
 
-    def append_block_ids(self, rows: np.ndarray, block_ids: list[BlockIds]) -> None:
-        """Append each row's new blocks (``block_ids[i]`` to ``rows[i]``, per KV cache group) to its
-        block tables, for all the rows at once."""
-        for group_id, (table, count) in enumerate(zip(self.block_tables, self.num_blocks)):
-            ids = [row_ids[group_id] for row_ids in block_ids]
-            lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-            total = int(lengths.sum())
-            if total == 0:
-                continue
-            # Entry j of the flattened ids goes to its row's column count + its index within the row.
-            firsts = np.cumsum(lengths) - lengths
-            cols = np.repeat(count[rows] - firsts, lengths) + np.arange(total)
-            table[np.repeat(rows, lengths), cols] = np.fromiter(chain.from_iterable(ids), np.int32, total)
-            count[rows] += lengths.astype(np.int32)
+    def append_block_ids(self, rows: list[int], block_ids: list[BlockIds]) -> None:
+        """Append each row's new blocks (``block_ids[i]``, one tuple per KV cache group, to
+        ``rows[i]``) to its block tables."""
+        for table, count, ids_of_rows in zip(self.block_tables, self.num_blocks, zip(*block_ids)):
+            for row, ids in zip(rows, ids_of_rows):
+                if ids:
+                    start = int(count[row])
+                    table[row, start : start + len(ids)] = ids
+                    count[row] = start + len(ids)
 
     def remove_request(self, req_id: str) -> None:
         """Free a row, moving the last row into it so that rows stay dense."""

@@ -312,11 +312,11 @@ class ModelRunner:
         cached = plan.scheduled_cached_reqs
         rows = self._rows_of(cached.req_ids)
         if cached.req_ids:
-            batch.num_computed_tokens[rows] = cached.num_computed_tokens
+            batch.num_computed_tokens[rows] = np.fromiter(cached.num_computed_tokens, np.int32, len(rows))
             new_block_ids = cached.new_block_ids
             with_blocks = [i for i, block_ids in enumerate(new_block_ids) if block_ids is not None]
             if with_blocks:  # most decodes get no new block
-                batch.append_block_ids(rows[with_blocks], [new_block_ids[i] for i in with_blocks])
+                batch.append_block_ids(rows[with_blocks].tolist(), [new_block_ids[i] for i in with_blocks])
         if plan.scheduled_new_reqs:
             rows = np.concatenate([rows, np.arange(first_new_row, len(batch))])
             new_ids = tuple(new.req_id for new in plan.scheduled_new_reqs)
