@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from micro_vllm.sampling import sampler as sampler_module
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
 from micro_vllm.sampling.triton_sampler import sample
 
@@ -181,6 +182,18 @@ def test_the_sampler_turns_row_seeds_into_what_its_route_draws_with():
     drawn = metadata()
     torch_route.add_row_seeds(drawn, {1: 123})
     assert drawn.seeds is None and list(drawn.generators) == [1] and drawn.generators[1].initial_seed() == 123
+
+
+def test_the_triton_route_draws_the_engine_stream_in_order_across_its_bulk_draws(monkeypatch):
+    """Seeds drawn ahead in bulk are the ones a draw of each step's rows at a time would give, also
+    where a step's rows straddle two bulk draws."""
+    monkeypatch.setattr(sampler_module, "SEED_POOL_SIZE", 5)
+    sampler = Sampler(True, seed=3, max_num_reqs=8)
+    stream = np.random.default_rng(3)
+    for n in [4, 3, 8, 1, 6, 8, 2]:
+        drawn = SamplingMetadata(torch.ones(n), None, None, all_greedy=False, all_random=True)
+        sampler.add_row_seeds(drawn, {})
+        assert drawn.seeds.tolist() == stream.integers(0, 2**63 - 1, n).tolist()
 
 
 def test_the_runner_path_keeps_seeded_requests_independent_of_the_batch(tmp_path):

@@ -28,6 +28,9 @@ from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gath
 from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, apply_logits_processors, apply_min_p
 
 
+SEED_POOL_SIZE = 4096  # the engine stream's seeds drawn at once for the Triton sampler
+
+
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # float32 [n]; 0 means greedy
@@ -133,6 +136,8 @@ class Sampler:
 
             self.triton_sample = triton_sampler.sample
             self.seed_stream = np.random.default_rng(seed)
+            self.seed_pool = np.empty(0, np.int64)  # the stream's next seeds, drawn ahead
+            self.seed_pool_start = 0
             self.seeds = CpuGpuBuffer((max_num_reqs,), torch.int64, device)
 
     def add_row_seeds(self, metadata: SamplingMetadata, row_seeds: dict[int, int]) -> None:
@@ -143,12 +148,25 @@ class Sampler:
         if self.use_triton and not metadata.all_greedy:
             n = len(metadata.temperature)
             seeds = self.seeds.np[:n]
-            seeds[:] = self.seed_stream.integers(0, 2**63 - 1, n)
-            seeds[list(row_seeds)] = list(row_seeds.values())
+            seeds[:] = self._next_seeds(n)
+            if row_seeds:
+                seeds[list(row_seeds)] = list(row_seeds.values())
             metadata.seeds = self.seeds.copy_to_device(n)
         else:
             metadata.generators = {row: torch.Generator(device=self.device).manual_seed(seed)
                                    for row, seed in row_seeds.items()}
+
+    def _next_seeds(self, n: int) -> np.ndarray:
+        """The engine stream's next ``n`` seeds. A draw costs mostly its call, so they are drawn
+        ahead in bulk; the values are those of drawing ``n`` at a time, since each seed takes the
+        bit generator's next outputs and nothing else."""
+        if len(self.seed_pool) - self.seed_pool_start < n:
+            rest = self.seed_pool[self.seed_pool_start:]
+            drawn = self.seed_stream.integers(0, 2**63 - 1, max(n, SEED_POOL_SIZE))
+            self.seed_pool, self.seed_pool_start = np.concatenate([rest, drawn]), 0
+        start = self.seed_pool_start
+        self.seed_pool_start += n
+        return self.seed_pool[start : start + n]
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         num_logprobs = metadata.max_num_logprobs

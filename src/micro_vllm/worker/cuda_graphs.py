@@ -162,6 +162,8 @@ class CudaGraphs:
 
     def shape_for(self, num_reqs: int, num_tokens: int) -> CudaGraphShape | None:
         """The smallest captured shape this step pads to, if any."""
+        if not self.shapes:  # eager
+            return None
         first = bisect.bisect_left(self.shapes, CudaGraphShape(num_tokens, 0))
         return next((shape for shape in self.shapes[first:] if shape.fits(num_reqs, num_tokens)), None)
 

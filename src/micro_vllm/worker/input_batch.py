@@ -123,7 +123,7 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         for group_id in range(len(self.block_tables)):
             self.num_blocks[group_id][row] = 0
-        self.append_block_ids(row, new.block_ids)
+        self.append_block_ids([row], [new.block_ids])
         params = new.sampling_params
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k if params.top_k > 0 else 0
@@ -149,11 +149,15 @@ class InputBatch:
             return -1
         return self.vocab_size if requested == -1 else requested
 
-    def append_block_ids(self, row: int, block_ids: BlockIds) -> None:
-        for table, count, ids in zip(self.block_tables, self.num_blocks, block_ids):
-            if ids:
-                table[row, count[row] : count[row] + len(ids)] = ids
-                count[row] += len(ids)
+    def append_block_ids(self, rows: list[int], block_ids: list[BlockIds]) -> None:
+        """Append each row's new blocks (``block_ids[i]``, one tuple per KV cache group, to
+        ``rows[i]``) to its block tables."""
+        for table, count, ids_of_rows in zip(self.block_tables, self.num_blocks, zip(*block_ids)):
+            for row, ids in zip(rows, ids_of_rows):
+                if ids:
+                    start = int(count[row])
+                    table[row, start : start + len(ids)] = ids
+                    count[row] = start + len(ids)
 
     def remove_request(self, req_id: str) -> None:
         """Free a row, moving the last row into it so that rows stay dense."""

@@ -131,6 +131,18 @@ class SamplingSettings:
     seeded_rows: np.ndarray  # the positions in ``rows`` of those with a seed of their own
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """The batch rows of one step's requests, valid while the batch's rows_version is unchanged."""
+
+    rows_version: int
+    req_ids: tuple[str, ...]
+    rows: np.ndarray  # read-only: later steps share it
+
+    def __post_init__(self) -> None:
+        self.rows.flags.writeable = False
+
+
 @dataclass
 class StepInputs:
     batch_rows: np.ndarray  # the persistent-batch row of each request, in the step's order
@@ -171,6 +183,7 @@ class ModelRunner:
         self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.last_output: DeviceStepOutput | None = None  # the step launched last
         self.sampling_settings: SamplingSettings | None = None  # those of the rows the last step sampled
+        self.step_rows: StepRows | None = None  # the rows of the last step's requests
         self.unapplied: list[DeviceStepOutput] = []  # launched steps whose tokens token_ids lacks
 
     # -- set-up --------------------------------------------------------------------------------
@@ -215,6 +228,10 @@ class ModelRunner:
         self.prev_token_dst = staged(max_reqs, dtype=torch.int64)  # step tokens that take ...
         self.prev_token_src = staged(max_reqs, dtype=torch.int64)  # ... the last step's sampled tokens
         self.prompt_logprob_targets = staged(max_tokens, dtype=torch.int64)
+        # Read-only constants: the index ranges and the one-token counts of decode steps.
+        self.arange = np.arange(max_tokens + 1)
+        self.ones = np.ones(max_reqs, np.int32)
+        self.arange.flags.writeable = self.ones.flags.writeable = False
         if self.device.type == "cuda":
             warm_up(self)
         if settings.use_cuda_graphs:
@@ -293,15 +310,28 @@ class ModelRunner:
         for new in plan.scheduled_new_reqs:
             batch.add_request(new)
         cached = plan.scheduled_cached_reqs
-        row_of = batch.row_of
-        rows = np.array([row_of[req_id] for req_id in cached.req_ids], np.int64)
+        rows = self._rows_of(cached.req_ids)
         if cached.req_ids:
-            batch.num_computed_tokens[rows] = cached.num_computed_tokens
-            for row, block_ids in zip(rows.tolist(), cached.new_block_ids):
-                if block_ids is not None:  # most decodes get no new block
-                    batch.append_block_ids(row, block_ids)
+            batch.num_computed_tokens[rows] = np.fromiter(cached.num_computed_tokens, np.int32, len(rows))
+            new_block_ids = cached.new_block_ids
+            with_blocks = [i for i, block_ids in enumerate(new_block_ids) if block_ids is not None]
+            if with_blocks:  # most decodes get no new block
+                batch.append_block_ids(rows[with_blocks].tolist(), [new_block_ids[i] for i in with_blocks])
         if plan.scheduled_new_reqs:
             rows = np.concatenate([rows, np.arange(first_new_row, len(batch))])
+            new_ids = tuple(new.req_id for new in plan.scheduled_new_reqs)
+            self.step_rows = StepRows(batch.rows_version, cached.req_ids + new_ids, rows)
+        return rows
+
+    def _rows_of(self, req_ids: tuple[str, ...]) -> np.ndarray:
+        """The batch rows of ``req_ids``. Most steps run the last step's requests in the same order
+        while no row has changed hands, and reuse its rows instead of looking each request up."""
+        batch, last = self.input_batch, self.step_rows
+        if last is not None and last.rows_version == batch.rows_version and last.req_ids == req_ids:
+            return last.rows
+        row_of = batch.row_of
+        rows = np.array([row_of[req_id] for req_id in req_ids], np.int64)
+        self.step_rows = StepRows(batch.rows_version, req_ids, rows)
         return rows
 
     def prepare_inputs(self, plan: SchedulerOutput, req_ids: list[str], rows: np.ndarray) -> StepInputs:
@@ -310,22 +340,23 @@ class ModelRunner:
         if self.copies_done is not None:
             self.copies_done.synchronize()
         batch, buffers = self.input_batch, self.buffers
-        num_reqs = len(req_ids)
-        num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int32, num_reqs)
+        num_reqs, num_tokens = len(req_ids), plan.total_num_scheduled_tokens
         query_start_loc = buffers.query_start_loc.np[: num_reqs + 1]
-        query_start_loc[0] = 0
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-
-        # Token t of the step belongs to request req_of_token[t], at position num_computed + offset.
-        req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
-        offsets = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], num_scheduled)
         num_computed = batch.num_computed_tokens[rows]
         positions = buffers.positions.np[:num_tokens]
-        np.add(num_computed[req_of_token], offsets, out=positions)
-        # Tokens sampled by a step whose output the host has not read yet are garbage here; they are
-        # overwritten on the device from that step's sampled tensor below.
-        buffers.input_ids.np[:num_tokens] = batch.token_ids[rows[req_of_token], positions]
+        if num_tokens == num_reqs:  # one token each (decodes): token i is request i's, at its next position
+            num_scheduled = self.ones[:num_reqs]
+            query_start_loc[:] = self.arange[: num_reqs + 1]
+            req_of_token = self.arange[:num_reqs]
+            positions[:] = num_computed
+        else:
+            num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int32, num_reqs)
+            query_start_loc[0] = 0
+            np.cumsum(num_scheduled, out=query_start_loc[1:])
+            # Token t of the step belongs to request req_of_token[t], at position num_computed + offset.
+            req_of_token = np.repeat(self.arange[:num_reqs], num_scheduled)
+            offsets = self.arange[:num_tokens] - np.repeat(query_start_loc[:-1], num_scheduled)
+            np.add(num_computed[req_of_token], offsets, out=positions)
         seq_lens = buffers.seq_lens.np[:num_reqs]
         np.add(num_computed, num_scheduled, out=seq_lens)
 
@@ -361,7 +392,7 @@ class ModelRunner:
             batch_rows=rows,
             num_reqs=num_reqs,
             num_tokens=num_tokens,
-            input_ids=self._input_ids(rows, query_start_loc, padded_tokens),
+            input_ids=self._input_ids(rows, req_of_token, positions, query_start_loc, num_tokens, padded_tokens),
             positions=buffers.positions.copy_to_device(padded_tokens),
             attn_metadata=buffers.attention_metadata(padded_reqs, padded_tokens, max_query_len, max_seq_len,
                                                      num_cols),
@@ -402,14 +433,26 @@ class ModelRunner:
                 batch.num_prompt_logprobs[row] = -1
         return slices
 
-    def _input_ids(self, rows: np.ndarray, query_start_loc: np.ndarray, num_tokens: int) -> torch.Tensor:
-        """Copy the step's token ids to the device, then put in the tokens the last step sampled
-        and the host has not seen (async scheduling): each is the last token of its request here."""
-        input_ids = self.buffers.input_ids.copy_to_device(num_tokens)
+    def _input_ids(self, rows: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray,
+                   query_start_loc: np.ndarray, num_tokens: int, padded_tokens: int) -> torch.Tensor:
+        """Stage the step's token ids and copy them to the device, then put in the tokens the last
+        step sampled and the host has not seen (async scheduling): each is the last token of its
+        request here. When that is every token of the step, in the order the last step sampled them
+        (most decode steps), the device copies them over and the host stages nothing."""
+        buffers, batch = self.buffers, self.input_batch
         last = self.last_output
-        if last is None or last not in self.unapplied:
+        src = batch.last_sample_index[rows] if last is not None and last in self.unapplied else None
+        if (src is not None and num_tokens == len(rows) == padded_tokens
+                and np.array_equal(src, self.arange[:num_tokens])):
+            input_ids = buffers.input_ids.device[:num_tokens]
+            input_ids.copy_(last.sampled[:num_tokens])
             return input_ids
-        src = self.input_batch.last_sample_index[rows]
+        # Tokens sampled by a step whose output the host has not read yet are garbage here; they are
+        # overwritten on the device from that step's sampled tensor below.
+        buffers.input_ids.np[:num_tokens] = batch.token_ids[rows[req_of_token], positions]
+        input_ids = buffers.input_ids.copy_to_device(padded_tokens)
+        if src is None:
+            return input_ids
         mask = src >= 0
         n = int(mask.sum())
         if n:
@@ -431,11 +474,13 @@ class ModelRunner:
             metadata.logits_processors = batch.logits_processors_metadata(rows, last_sampled)
         # A seeded row's randomness depends only on (seed, output position): it survives preemption
         # and does not depend on what else is in the batch.
+        row_seeds = {}
         seeded = settings.seeded_rows
-        positions = batch.num_tokens[rows[seeded]] - batch.num_prompt_tokens[rows[seeded]]  # this token's
-        self.sampler.add_row_seeds(metadata, {
-            int(i): hash((int(batch.seed[rows[i]]), int(p))) & (2**63 - 1) for i, p in zip(seeded, positions)
-        })
+        if len(seeded):
+            positions = batch.num_tokens[rows[seeded]] - batch.num_prompt_tokens[rows[seeded]]  # this token's
+            row_seeds = {int(i): hash((int(batch.seed[rows[i]]), int(p))) & (2**63 - 1)
+                         for i, p in zip(seeded, positions)}
+        self.sampler.add_row_seeds(metadata, row_seeds)
         return metadata
 
     def _sampling_settings(self, rows: np.ndarray) -> SamplingSettings:
