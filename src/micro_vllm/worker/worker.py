@@ -14,7 +14,6 @@ from micro_vllm.layers.custom_op import resolve_custom_ops
 from micro_vllm.models.utils import head_size_of
 from micro_vllm.outputs import AsyncModelRunnerOutput
 from micro_vllm.triton_utils import check_triton_runs_on
-from micro_vllm.worker.cpu_allocator import keep_step_memory
 from micro_vllm.worker.dummy_run import profile_run
 from micro_vllm.worker.model_runner import ModelRunner, RunnerSettings
 
@@ -79,8 +78,6 @@ class Worker:
         device = resolve_device(model_config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        else:
-            keep_step_memory()
         dtype = resolve_dtype(model_config.dtype, device, hf_config)
         kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, dtype)
         backend = resolve_attention_backend(model_config.attention_backend, device, head_size_of(hf_config))
