@@ -180,7 +180,7 @@ class Sampler:
         if metadata.logits_processors is not None:
             logits = apply_logits_processors(logits, metadata.logits_processors)
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         filtered = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
         if metadata.seeds is not None and not filtered:
             return self.triton_sample(logits, metadata.temperature, metadata.seeds)
@@ -200,7 +200,27 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():
             noise[row].exponential_(generator=generator)
-        sampled = probs.div_(noise).argmax(dim=-1)
+        sampled = argmax(probs.div_(noise))
         if metadata.all_random:
             return sampled
-        return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
+        return torch.where(temperature > 0, sampled, argmax(logits))
+
+
+ARGMAX_CHUNK = 128  # vocabulary entries per chunk of the CPU argmax's first pass
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's ``argmax`` over the last axis, as ``torch.argmax`` gives it (the lowest index among
+    ties; a NaN counts as the largest).
+
+    On CPU ``argmax``'s kernel tracks an index beside every value and is several times slower than the
+    vectorized ``amax``; so the rows are cut into chunks, ``amax`` finds each chunk's largest value,
+    and ``argmax`` runs only over those maxima and then inside the first chunk holding the row's
+    largest: the same index, the lowest among ties, reading the row once."""
+    vocab = scores.shape[-1]
+    if scores.device.type != "cpu" or vocab % ARGMAX_CHUNK:
+        return scores.argmax(dim=-1)
+    chunks = scores.reshape(-1, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [rows]
+    inside = chunks.gather(1, best_chunk.view(-1, 1, 1).expand(-1, 1, ARGMAX_CHUNK)).squeeze(1).argmax(dim=-1)
+    return best_chunk * ARGMAX_CHUNK + inside

@@ -17,6 +17,7 @@ sorted out once per step (``KVWrites``), so a layer's write is one copy per cach
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -44,15 +45,20 @@ class PaddedBatch:
     # int64 [R * kv_heads * num_keys]: each (request, KV head, key slot)'s row in the cache seen as
     # [slots * kv_heads, head_size]
     kv_rows: torch.Tensor
-    # Decodes: int64 [R * heads, num_keys], each query head's value rows (its KV head's ``kv_rows``), the
-    # bags ``embedding_bag`` sums. None for prefill chunks.
-    value_bags: torch.Tensor | None
+    group: int  # query heads per KV head
     # Prefill chunks: bool [R, 1, group * num_queries, num_keys], True where a query slot sees a key
     # slot. Decodes: float [R * kv_heads, 1, num_keys], 0 where the query sees the key and -inf
     # elsewhere (added to the scores). None where every query slot sees every key slot.
     mask: torch.Tensor | None
     real_slots: torch.Tensor  # int64 [tokens of these requests]: the query slots holding real tokens
     token_rows: torch.Tensor  # int64 [tokens of these requests]: their token rows, in the same order
+
+    @cached_property
+    def value_bags(self) -> torch.Tensor:
+        """Decodes: int64 [R * heads, num_keys], each query head's value rows (its KV head's
+        ``kv_rows``; query head h reads KV head h // group), the bags ``embedding_bag`` sums. Built by
+        the first layer that reads it: only fp32 caches do."""
+        return self.kv_rows.view(-1, 1, self.num_keys).expand(-1, self.group, -1).reshape(-1, self.num_keys)
 
 
 def padded_batch(metadata: CommonAttentionMetadata, requests_cpu: torch.Tensor, block_size: int,
@@ -99,10 +105,7 @@ def padded_batch(metadata: CommonAttentionMetadata, requests_cpu: torch.Tensor, 
     else:  # as the queries are laid out: each KV head's query heads one after another
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(num_reqs, group * num_queries, num_keys)[:, None]
     real_slots = is_real.flatten().nonzero().squeeze(1)
-    value_bags = None
-    if num_queries == 1:  # query head h reads KV head h // group
-        value_bags = kv_rows.view(-1, 1, num_keys).expand(-1, group, -1).reshape(-1, num_keys)
-    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_rows, value_bags, mask, real_slots,
+    return PaddedBatch(num_queries, num_keys, query_rows.flatten(), kv_rows, group, mask, real_slots,
                        query_rows.flatten()[real_slots])
 
 
