@@ -6,15 +6,17 @@
 # (about 75 s) once; micro-vLLM runs one process per workload. Both engines get the same
 # max_model_len, the long-context workload's. Each workload is timed twice per engine, each run from
 # an empty prefix cache. Logs land in $OUT; BUDGET_S bounds the whole run (default 540 s);
-# KV_CACHE_DTYPE (auto or fp8, default auto) sets both engines' KV cache dtype.
+# KV_CACHE_DTYPE (auto or fp8, default auto) sets both engines' KV cache dtype; WORKLOADS and
+# MAX_MODEL_LEN choose others (the recipe with fp8 caches on both engines:
+# WORKLOADS=recipe MAX_MODEL_LEN=4096 KV_CACHE_DTYPE=fp8 bash benchmarks/peer_workloads.sh).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-/tmp/peers-out}; mkdir -p "$OUT"
 T0=$(date +%s); DEADLINE=$(( T0 + ${BUDGET_S:-540} ))
 left() { echo $(( DEADLINE - $(date +%s) )); }
-WORKLOADS="shared-prefix long-context"
-MAX_MODEL_LEN=8512  # the long-context workload's 8,000 prompt tokens + 512 output tokens
+WORKLOADS=${WORKLOADS:-shared-prefix long-context}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-8512}  # the long-context workload's 8,000 prompt tokens + 512 output tokens
 KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-auto}
 
 if [ ! -d /root/vx/vllm ]; then  # unpacked as compare.sh does
