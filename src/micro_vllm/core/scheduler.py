@@ -381,8 +381,7 @@ class Scheduler:
             rows = rows[rows >= 0]
         for row, token_ids in zip(rows.tolist(), sampled):
             request = running[row]
-            request.all_token_ids.append(token_ids[0])
-            request.num_tokens += 1
+            request.append_output_token(token_ids[0])
             request.num_output_placeholders -= 1
         table.num_tokens[rows] += 1
         table.num_output_placeholders[rows] -= 1
