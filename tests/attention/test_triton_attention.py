@@ -84,11 +84,13 @@ def shape_id(shape) -> str:
 
 
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=shape_id)
-@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("tiles", ["default", "small", "long"])
 def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, tiles: str) -> None:
     num_heads, num_kv_heads, head_size, block_size, dtype, window = shape
     if tiles == "small":
         use_small_tiles(monkeypatch)
+    if tiles == "long":  # the long-prefill tiles, on prompts the interpreter can run
+        monkeypatch.setattr(triton_attn, "_LONG_QUERY", 2)
     requests = random_requests(rng, num_decodes=3, num_chunks=2, max_context=2 * block_size + 5, max_chunk=19)
     batch = make_batch(
         rng,
@@ -102,6 +104,14 @@ def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, t
         num_pad_tokens=rng.randint(0, 3),
     )
     check_against_reference(batch, window)
+
+
+def test_long_prompts_take_the_long_prefill_tiles() -> None:
+    long = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128)
+    assert (long.block_m, long.num_warps) == (128, 8) and not long.one_qblock_per_req
+    assert triton_attn._pick_tiles(triton_attn._LONG_QUERY - 1, 2, 128).block_m == 64
+    assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 16, 128).block_m == 128  # 8 queries of 16 heads
+    assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 256).block_m == 64  # wide heads keep theirs
 
 
 @pytest.mark.parametrize("window", [None, 6])

@@ -79,6 +79,10 @@ from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 # many keys (below that, the merge costs more than the extra parallelism brings).
 _MAX_SPLITS = 16
 _MIN_SPLIT_KEYS = 512
+# Steps whose longest query has at least this many tokens take the long-prefill tiles (_pick_tiles).
+# A mixed-step CUDA graph states its token count as its longest query, so the 8,192-token one takes
+# them too, whatever the prompts it replays.
+_LONG_QUERY = 6144
 _MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension, where the query blocks are
 # A program holds a [BLOCK_M, head size] fp32 accumulator and K/V tiles of the head size: past 256
 # they no longer fit an SM's registers and shared memory (tests/helpers/hopper_compile.py compiles 256).
@@ -473,6 +477,11 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
         return _Tiles(16, tile_n, 4, 3, one_qblock_per_req=True)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
     # keeps more stages in flight (benchmarks/attention_sweep.py chose it; docs/benchmarks.md).
+    # Long prompts take twice the rows on two warpgroups: each K/V tile then serves twice the
+    # queries, which pays once most of a program's tiles are unmasked; on prompts of 4,096 tokens
+    # or fewer it does not (benchmarks/attention_sweep.py; docs/benchmarks.md).
+    if max_query_len >= _LONG_QUERY and _head_pad(head_size) <= 128:
+        return _Tiles(max(128, triton.next_power_of_2(group)), 32, 8, 2, one_qblock_per_req=False)
     return _Tiles(max(64, triton.next_power_of_2(group)), 32, 4, 2, one_qblock_per_req=False)
 
 
