@@ -8,7 +8,8 @@ long-context workload's 32 requests of 8,000 to 8,511 tokens) under the
 decode tile shape, timed as layers run them (``write_and_attend``: the new keys join in the
 attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
 per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
-1,024 tokens beside 64 decodes) under every prefill tile shape, attention alone. Decode batches
+1,024 tokens beside 64 decodes) under every prefill tile shape, attention alone, then steps of
+prompts alone of 512 to 8,000 tokens under the prefill and the long-prefill tiles. Decode batches
 come in the runner's order (``decode_order``, longest context first).
 Qwen3-0.6B's attention: 16 query heads, 8 KV heads of 128, bf16, pages in random order. Each tile
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
@@ -44,6 +45,10 @@ PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(6
                  Tiles(64, 64, 4, 3, False)]
 # Slower on the prefill step of main(): 64 x 64 with 8 warps (94 TFLOP/s against 172 for 64 x 64 with
 # 4) and 128 x 64 with 8 warps and 2 stages (128), commit fd52638.
+# Steps of prompts alone, from the recipe's lengths to the long-context workload's, under the prefill
+# tiles and the long-prefill ones: where the latter start to win decides triton_attn._LONG_QUERY.
+LONG_PREFILL_STEPS = ((16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8000), (2, 8000))
+LONG_PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(128, 32, 8, 2, False)]
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
@@ -153,6 +158,10 @@ def main() -> None:
         # QK^T and PV over the causal half of each prompt, every query head: 2 * 2 * D FLOPs per pair.
         pairs = sum(q * (q + 1) // 2 + q * c for q, c in zip(query_lens, context_lens))
         rows += sweep("prefill", prefill, PREFILL_TILES, 4 * HEAD_SIZE * NUM_HEADS * pairs, "TFLOP/s")
+        for num_prompts, prompt_len in LONG_PREFILL_STEPS:
+            prompts = make_step([prompt_len] * num_prompts, [0] * num_prompts, "cuda", seed=1, cache_dtype=cache_dtype)
+            flops = 4 * HEAD_SIZE * NUM_HEADS * num_prompts * prompt_len * (prompt_len + 1) // 2
+            rows += sweep(f"prefill {num_prompts} x {prompt_len:,}", prompts, LONG_PREFILL_TILES, flops, "TFLOP/s")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"benchmark": "attention_sweep", "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}) + "\n")

@@ -211,7 +211,8 @@ def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatc
 
     pick = triton_attn._pick_tiles
     for query_lens, context_lens, tiles in (([1, 1, 1], [20, 45, 3], sweep.Tiles(16, 64, 4, 3, True)),
-                                            ([40, 1], [0, 30], sweep.PREFILL_TILES[1])):
+                                            ([40, 1], [0, 30], sweep.PREFILL_TILES[1]),
+                                            ([40, 1], [0, 30], sweep.LONG_PREFILL_TILES[1])):
         step = sweep.make_step(query_lens, context_lens, "cpu", dtype=torch.float32)
         expected = sweep.attend(step, None)
         assert launched_tiles() != tuple(tiles)  # the forced shape is not the default one
