@@ -9,7 +9,7 @@ decode tile shape, timed as layers run them (``write_and_attend``: the new keys 
 attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
 per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
 1,024 tokens beside 64 decodes) under every prefill tile shape, attention alone, then steps of
-prompts alone of 512 to 8,000 tokens under the prefill and the long-prefill tiles. Decode batches
+prompts alone of 512 to 8,000 tokens under the prefill, long-prefill and fp8 tiles. Decode batches
 come in the runner's order (``decode_order``, longest context first).
 Qwen3-0.6B's attention: 16 query heads, 8 KV heads of 128, bf16, pages in random order. Each tile
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
@@ -46,9 +46,10 @@ PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(6
 # Slower on the prefill step of main(): 64 x 64 with 8 warps (94 TFLOP/s against 172 for 64 x 64 with
 # 4) and 128 x 64 with 8 warps and 2 stages (128), commit fd52638.
 # Steps of prompts alone, from the recipe's lengths to the long-context workload's, under the prefill
-# tiles and the long-prefill ones: where the latter start to win decides triton_attn._LONG_QUERY.
+# tiles, the long-prefill ones and an fp8 cache's: where the long-prefill tiles start to win decides
+# triton_attn._LONG_QUERY.
 LONG_PREFILL_STEPS = ((16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8000), (2, 8000))
-LONG_PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(128, 32, 8, 2, False)]
+LONG_PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(128, 32, 8, 2, False), Tiles(64, 64, 4, 2, False)]
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 

@@ -112,6 +112,8 @@ def test_long_prompts_take_the_long_prefill_tiles() -> None:
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY - 1, 2, 128).block_m == 64
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 16, 128).block_m == 128  # 8 queries of 16 heads
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 256).block_m == 64  # wide heads keep theirs
+    fp8 = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128, fp8_cache=True)  # whatever the length
+    assert (fp8.block_m, fp8.tile_n) == (64, 64) and triton_attn._pick_tiles(300, 2, 128, True) == fp8
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -248,13 +250,15 @@ def test_head_size_not_a_power_of_two(rng: random.Random, monkeypatch, head_size
     check_write_and_attend(decodes, None)
 
 
+@pytest.mark.parametrize("tiles", ["small", "default"])  # default: the fp8 cache's own prefill tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_kv_cache_matches_reference(rng: random.Random, monkeypatch, dtype: torch.dtype) -> None:
+def test_fp8_kv_cache_matches_reference(rng: random.Random, monkeypatch, dtype: torch.dtype, tiles: str) -> None:
     """A cache of float8 e4m3 (kv_cache_dtype="fp8") under fp32 and bf16 queries: a mixed step with
     a window, then a decode step, each storing fresh K/V (the write kernel, then the attention
     launch's own store) as the reference stores them, and attending over the rounded values as the
     reference does."""
-    use_small_tiles(monkeypatch)
+    if tiles == "small":
+        use_small_tiles(monkeypatch)
     shape = dict(num_heads=4, num_kv_heads=2, head_size=32, block_size=16, dtype=dtype,
                  kv_cache_dtype=torch.float8_e4m3fn)
     mixed = make_batch(rng, random_requests(rng, 2, 2, max_context=40, max_chunk=12), sliding_window=6,

@@ -464,7 +464,7 @@ class _Tiles(NamedTuple):
     one_qblock_per_req: bool
 
 
-def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
+def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False) -> _Tiles:
     """Tile shape and launch parameters for a batch of this shape.
 
     Decode-like batches take 16 rows, the smallest tl.dot, and are memory-bound; prefill takes a
@@ -475,14 +475,20 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int) -> _Tiles:
         # registers on sm_90 (tests/helpers/hopper_compile.py).
         tile_n = 128 if _head_pad(head_size) <= 128 else 64
         return _Tiles(16, tile_n, 4, 3, one_qblock_per_req=True)
+    rows = max(64, triton.next_power_of_2(group))
+    if _head_pad(head_size) <= 128:  # wider heads fill the registers with the tile below already
+        # An fp8 cache's K/V tiles are widened in registers and stored to shared memory again for
+        # the products: 64 keys a step pay that round trip for twice the keys.
+        if fp8_cache:
+            return _Tiles(rows, 64, 4, 2, one_qblock_per_req=False)
+        # Long prompts take twice the rows on two warpgroups: each K/V tile then serves twice the
+        # queries, which pays once most of a program's tiles are unmasked; on prompts of 4,096
+        # tokens or fewer it does not (benchmarks/attention_sweep.py; docs/benchmarks.md).
+        if max_query_len >= _LONG_QUERY:
+            return _Tiles(max(128, rows), 32, 8, 2, one_qblock_per_req=False)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
     # keeps more stages in flight (benchmarks/attention_sweep.py chose it; docs/benchmarks.md).
-    # Long prompts take twice the rows on two warpgroups: each K/V tile then serves twice the
-    # queries, which pays once most of a program's tiles are unmasked; on prompts of 4,096 tokens
-    # or fewer it does not (benchmarks/attention_sweep.py; docs/benchmarks.md).
-    if max_query_len >= _LONG_QUERY and _head_pad(head_size) <= 128:
-        return _Tiles(max(128, triton.next_power_of_2(group)), 32, 8, 2, one_qblock_per_req=False)
-    return _Tiles(max(64, triton.next_power_of_2(group)), 32, 4, 2, one_qblock_per_req=False)
+    return _Tiles(rows, 32, 4, 2, one_qblock_per_req=False)
 
 
 @dataclass
@@ -589,7 +595,7 @@ class TritonBackend(AttentionBackend):
 
         group = num_heads // num_kv_heads
         max_query_len = common.max_query_len
-        tiles = _pick_tiles(max_query_len, group, head_size)
+        tiles = _pick_tiles(max_query_len, group, head_size, kv_cache.dtype == torch.float8_e4m3fn)
         block_q = tiles.block_m // group
         one_qblock = tiles.one_qblock_per_req
         grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
