@@ -286,6 +286,8 @@ BAD_PROMPTS = [
     ([GOOD, [1, True]], TypeError, named("prompt_token_ids", [1, True])),
     ([GOOD, [1, 2.0]], TypeError, named("prompt_token_ids", [1, 2.0])),
     ([GOOD, np.array([[1, 2]])], TypeError, r"prompt_token_ids=array\(\[\[1, 2\]\]\) is not allowed"),
+    ([GOOD, np.array([1.0, 2.0])], TypeError, r"prompt_token_ids=array\(\[1\., 2\.\]\) is not allowed"),
+    ([GOOD, np.array([True, False])], TypeError, r"prompt_token_ids=array\(\[ True, False\]\) is not allowed"),
     ([GOOD, None], TypeError, named("prompt", None)),
     ([GOOD, 3.5], TypeError, named("prompt", 3.5)),
     ({"prompt_token_ids": None}, TypeError, named("prompt_token_ids", None)),

@@ -307,11 +307,15 @@ _TOKEN_ID_SEQUENCES = (list, tuple, np.ndarray)
 
 def _token_ids(value: object) -> list[int]:
     """A prompt's token ids as Python ints: a list, tuple or 1-D array of integers, never of bools."""
-    if (
-        not isinstance(value, _TOKEN_ID_SEQUENCES)
-        or getattr(value, "ndim", 1) != 1
-        or not all(is_int(t) for t in value)
-    ):
+    if not isinstance(value, _TOKEN_ID_SEQUENCES) or getattr(value, "ndim", 1) != 1:
+        raise reject("prompt_token_ids", value, "a list of integer token ids (not bools)", TypeError)
+    # Long prompts are checked id by id, so the usual forms take the checks that cost least:
+    # an integer array's dtype, or ints that are exactly ``int`` (a bool's type is bool).
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu":
+        return value.tolist()
+    if all(type(t) is int for t in value):
+        return list(value)
+    if not all(is_int(t) for t in value):
         raise reject("prompt_token_ids", value, "a list of integer token ids (not bools)", TypeError)
     return [int(t) for t in value]
 
