@@ -159,6 +159,24 @@ class KVCacheManager:
         self.cache_blocks(request, num_tokens)
         return new_blocks
 
+    def allocate_decode_blocks(self, requests: list[Request]) -> list[BlockIds] | None:
+        """One more block in every group for each of ``requests``: decodes of one token whose blocks
+        are full and whose step completes no block to hash, with full attention only. The blocks
+        are those that ``allocate_slots(request, 1)`` for each in turn would give, taken at once;
+        returns their ids as the plan carries them, or None, having taken nothing, when the pool
+        cannot hold them all."""
+        num_groups = len(self.managers)
+        if len(requests) * num_groups > self.block_pool.get_num_free_blocks():
+            return None
+        request_ids = [r.request_id for r in requests]
+        blocks = self.block_pool.get_one_block_each([rid for rid in request_ids for _ in range(num_groups)])
+        for group, manager in enumerate(self.managers):
+            tables = manager.req_to_blocks
+            for request_id, block in zip(request_ids, blocks[group::num_groups]):
+                tables[request_id].append(block)
+        ids = [(b.block_id,) for b in blocks]
+        return [tuple(ids[i : i + num_groups]) for i in range(0, len(ids), num_groups)]
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
         are computed by the step planned last, which confirms them. A block whose last token is
