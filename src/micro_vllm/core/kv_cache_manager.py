@@ -183,14 +183,15 @@ class KVCacheManager:
         still in flight is hashed once its id is known."""
         if not self.enable_caching:
             return
-        num_hashed = self.num_hashed_blocks(request.request_id)
-        block_size = self.block_size
-        if num_computed_tokens // block_size <= num_hashed or request.num_tokens // block_size <= num_hashed:
+        request_id = request.request_id
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= self.num_hashed_blocks(request_id):
             return
+        block_hashes = update_block_hashes(request, self.block_size)
         for manager in self.managers:
-            hashed = manager.cache_blocks(request, num_computed_tokens)
+            hashed = manager.cache_blocks(request_id, block_hashes, num_full)
             if hashed and self.unconfirmed:
-                self.unconfirmed[-1].extend((block, block.block_hash) for block in hashed)
+                self.unconfirmed[-1] += hashed
 
     def start_step(self) -> None:
         """A step is being planned: record the hashes it registers until its output is applied."""

@@ -419,8 +419,9 @@ class Scheduler:
                 request = requests[i]
                 kv.cache_blocks(request, request.num_tokens)
             table.num_hashed_blocks[rows[completed]] = num_full[completed]
-        may_stop = ((num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
-                    | table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows))))
+        may_stop = (num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
+        if len(table.stop_token_ids):  # none when every request ignores EOS and has no stop tokens
+            may_stop |= table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows)))
         finished = []
         for i in np.flatnonzero(may_stop).tolist():
             self._finish_if_stopped(requests[i], sampled[i], finished)
@@ -519,12 +520,12 @@ class _StepBuilder:
 
     def add_decodes(self, req_ids: list[str], new_block_ids: list[BlockIds | None], num_computed: list[int],
                     is_decode: np.ndarray) -> None:
-        """Schedule one token of each of ``req_ids``, which the runner holds; the caller has counted
-        them as computed and their placeholders."""
+        """Schedule one token of each of ``req_ids``, which the runner holds, as the step's first
+        requests; the caller has counted them as computed and their placeholders."""
         self.cached_req_ids += req_ids
         self.cached_new_block_ids += new_block_ids
         self.cached_num_computed_tokens += num_computed
-        self.num_scheduled.update(dict.fromkeys(req_ids, 1))
+        self.num_scheduled = dict.fromkeys(req_ids, 1)
         self.budget -= len(req_ids)
         self.num_tokens += len(req_ids)
         self.decode_req_ids += req_ids if is_decode.all() else [req_ids[i] for i in np.flatnonzero(is_decode)]
