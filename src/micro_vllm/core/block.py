@@ -61,9 +61,9 @@ class FreeKVCacheBlockQueue:
         block = self._head.next_free
         for _ in range(num_blocks):
             blocks.append(block)
-            block.prev_free, block = None, block.next_free
+            block = block.next_free
         for taken in blocks:
-            taken.next_free = None
+            taken.prev_free = taken.next_free = None
         self._head.next_free, block.prev_free = block, self._head
         self.num_free_blocks -= num_blocks
         return blocks
