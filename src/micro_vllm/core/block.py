@@ -53,12 +53,20 @@ class FreeKVCacheBlockQueue:
         for block in blocks:
             self.append(block)
 
-    def popleft(self) -> KVCacheBlock:
+    def popleft_n(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take the first ``num_blocks`` blocks, unlinked as one run."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks; {self.num_free_blocks} free")
+        blocks = []
         block = self._head.next_free
-        if block is self._tail:
-            raise ValueError("no free blocks left")
-        self.remove(block)
-        return block
+        for _ in range(num_blocks):
+            blocks.append(block)
+            block = block.next_free
+        for taken in blocks:
+            taken.prev_free = taken.next_free = None
+        self._head.next_free, block.prev_free = block, self._head
+        self.num_free_blocks -= num_blocks
+        return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
         block.prev_free.next_free = block.next_free
@@ -113,16 +121,29 @@ class BlockPool:
         return self.free_queue.num_free_blocks
 
     def get_new_blocks(self, num_blocks: int, request_id: str | None = None) -> list[KVCacheBlock]:
-        if num_blocks > self.free_queue.num_free_blocks:
-            raise ValueError(f"cannot allocate {num_blocks} blocks; {self.free_queue.num_free_blocks} free")
-        blocks = [self.free_queue.popleft() for _ in range(num_blocks)]
+        blocks = self.free_queue.popleft_n(num_blocks)
+        self._claim(blocks, request_id)
+        return blocks
+
+    def get_one_block_each(self, request_ids: list[str]) -> list[KVCacheBlock]:
+        """A new block for each of ``request_ids``: what ``get_new_blocks(1, request_id)`` for each in
+        turn gives, taken from the queue at once."""
+        blocks = self.free_queue.popleft_n(len(request_ids))
+        if self.listener is None:  # the events, a pair per request, are all that one claim would change
+            self._claim(blocks, None)
+        else:
+            for block, request_id in zip(blocks, request_ids):
+                self._claim([block], request_id)
+        return blocks
+
+    def _claim(self, blocks: list[KVCacheBlock], request_id: str | None) -> None:
+        """Hand out ``blocks``, just taken from the free queue: a cached one forgets its hash."""
         evicted = [b.block_id for b in blocks if b.block_hash is not None and self.prefix_cache.evict(b)]
         for block in blocks:
             block.block_hash = None
             block.ref_cnt = 1
         self._notify("evicted", evicted, request_id)
         self._notify("allocated", [b.block_id for b in blocks], request_id)
-        return blocks
 
     def touch(self, blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
         """Take a reference on cached blocks a new request reuses, pulling free ones out of the queue."""

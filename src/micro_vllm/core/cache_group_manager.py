@@ -12,8 +12,7 @@ from collections import defaultdict
 
 from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.core.block import BlockPool, KVCacheBlock
-from micro_vllm.core.prefix_cache import BlockHash, update_block_hashes
-from micro_vllm.core.request import Request
+from micro_vllm.core.prefix_cache import BlockHash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -54,24 +53,19 @@ class SingleTypeKVCacheManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> list[KVCacheBlock]:
-        """Hash the blocks that ``num_tokens`` fills; they are full and never written again. A block
-        that ends in a token still in flight is hashed at a later step, once its id is known.
-        Returns the blocks hashed now."""
-        num_full = num_tokens // self.block_size
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full <= start:  # most decode steps fill no block
-            return []
-        block_hashes = update_block_hashes(request, self.block_size)
-        num_full = min(num_full, len(block_hashes))
-        blocks = self.req_to_blocks[request.request_id]
+    def cache_blocks(self, request_id: str, block_hashes: list[BlockHash],
+                     num_full: int) -> list[tuple[KVCacheBlock, tuple[BlockHash, int]]]:
+        """Hash the request's first ``num_full`` blocks, full and never written again, with its
+        ``block_hashes`` (which cover them). Returns the blocks hashed now, each with its key."""
+        start = self.num_cached_blocks.get(request_id, 0)
+        blocks = self.req_to_blocks[request_id]
         hashed = []
         for i in range(start, num_full):
             block = blocks[i]
-            if not block.is_null and block.block_hash is None:
-                self.block_pool.cache_full_block(block, block_hashes[i], self.group_id, request.request_id)
-                hashed.append(block)
-        self.num_cached_blocks[request.request_id] = num_full
+            if block.block_hash is None and not block.is_null:
+                self.block_pool.cache_full_block(block, block_hashes[i], self.group_id, request_id)
+                hashed.append((block, block.block_hash))
+        self.num_cached_blocks[request_id] = num_full
         return hashed
 
     def free(self, request_id: str) -> None:

@@ -159,20 +159,39 @@ class KVCacheManager:
         self.cache_blocks(request, num_tokens)
         return new_blocks
 
+    def allocate_decode_blocks(self, requests: list[Request]) -> list[BlockIds] | None:
+        """One more block in every group for each of ``requests``: decodes of one token whose blocks
+        are full and whose step completes no block to hash, with full attention only. The blocks
+        are those that ``allocate_slots(request, 1)`` for each in turn would give, taken at once;
+        returns their ids as the plan carries them, or None, having taken nothing, when the pool
+        cannot hold them all."""
+        num_groups = len(self.managers)
+        if len(requests) * num_groups > self.block_pool.get_num_free_blocks():
+            return None
+        request_ids = [r.request_id for r in requests]
+        blocks = self.block_pool.get_one_block_each([rid for rid in request_ids for _ in range(num_groups)])
+        for group, manager in enumerate(self.managers):
+            tables = manager.req_to_blocks
+            for request_id, block in zip(request_ids, blocks[group::num_groups]):
+                tables[request_id].append(block)
+        ids = [(b.block_id,) for b in blocks]
+        return [tuple(ids[i : i + num_groups]) for i in range(0, len(ids), num_groups)]
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
         are computed by the step planned last, which confirms them. A block whose last token is
         still in flight is hashed once its id is known."""
         if not self.enable_caching:
             return
-        num_hashed = self.num_hashed_blocks(request.request_id)
-        block_size = self.block_size
-        if num_computed_tokens // block_size <= num_hashed or request.num_tokens // block_size <= num_hashed:
+        request_id = request.request_id
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= self.num_hashed_blocks(request_id):
             return
+        block_hashes = update_block_hashes(request, self.block_size)
         for manager in self.managers:
-            hashed = manager.cache_blocks(request, num_computed_tokens)
+            hashed = manager.cache_blocks(request_id, block_hashes, num_full)
             if hashed and self.unconfirmed:
-                self.unconfirmed[-1].extend((block, block.block_hash) for block in hashed)
+                self.unconfirmed[-1] += hashed
 
     def start_step(self) -> None:
         """A step is being planned: record the hashes it registers until its output is applied."""

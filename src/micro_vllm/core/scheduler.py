@@ -216,9 +216,10 @@ class Scheduler:
 
     def _schedule_decodes(self, step: _StepBuilder) -> np.ndarray | None:
         """Plan a step in which every running request that computes anything decodes one token, as
-        ``_schedule_running`` would, with array operations over all of them. Only the requests that
-        need a new block, a block hashed, or a grammar's bitmask go through ``allocate_slots`` one
-        at a time. Returns the table rows planned; None, having planned nothing, when a request has
+        ``_schedule_running`` would, with array operations over all of them. The requests whose
+        blocks are full get a new block each in one call; only those that need a block hashed or a
+        grammar's bitmask (or all of them, when the pool runs short) go through ``allocate_slots``
+        one at a time. Returns the table rows planned; None, having planned nothing, when a request has
         more than one token to compute (or the last plan left one so), the budget is short, or a
         sliding window may free blocks."""
         kv = self.kv_cache_manager
@@ -233,12 +234,16 @@ class Scheduler:
         num_computed = table.num_computed_tokens[rows]
         if len(rows) > step.budget or (num_known[rows] - num_computed != 1).any():
             return None
-        needs_own = (num_computed >= table.num_held_tokens[rows]) | table.has_grammar[rows]
+        needs_block = num_computed >= table.num_held_tokens[rows]
+        needs_own = table.has_grammar[rows]
         if kv.enable_caching:  # the step completes a block whose tokens are known: it is hashed
             num_full = np.minimum(num_computed + 1, table.num_tokens[rows]) // kv.block_size
             needs_own |= num_full > table.num_hashed_blocks[rows]
         new_block_ids = [None] * len(rows)
         own_rows, own_requests = [], []
+        # Most steps only give some requests a block each: in one call while the pool holds them all.
+        if needs_own.any() or not self._allocate_decode_blocks(rows, needs_block, new_block_ids):
+            needs_own |= needs_block
         for i in np.flatnonzero(needs_own).tolist():
             row = int(rows[i])
             if row >= len(running):  # preempted for an earlier request
@@ -259,7 +264,8 @@ class Scheduler:
         table.update_kv_rows(own_rows, own_requests, kv)
         table.num_computed_tokens[rows] += 1
         table.num_output_placeholders[rows] += 1  # each samples its next token
-        requests = [running[row] for row in rows.tolist()]
+        # The rows are in running order, so as many as there are running requests are all of them.
+        requests = running if len(rows) == len(running) else [running[row] for row in rows.tolist()]
         for request in requests:
             request.num_computed_tokens += 1
             request.num_output_placeholders += 1
@@ -267,6 +273,24 @@ class Scheduler:
         step.add_decodes([r.request_id for r in requests], new_block_ids, num_computed.tolist(),
                          num_computed >= table.num_prompt_tokens[rows])
         return rows
+
+    def _allocate_decode_blocks(self, rows: np.ndarray, needs_block: np.ndarray,
+                                new_block_ids: list[BlockIds | None]) -> bool:
+        """Give each decode at table ``rows`` whose blocks are full (``needs_block``) a new block, all
+        in one call, and put their ids in ``new_block_ids``; False, having allocated nothing, when
+        the pool cannot hold them all (the caller then allocates request by request, preempting)."""
+        indices = np.flatnonzero(needs_block)
+        if not len(indices):
+            return True
+        kv, running = self.kv_cache_manager, self.running
+        block_rows = rows[indices]
+        block_ids = kv.allocate_decode_blocks([running[row] for row in block_rows.tolist()])
+        if block_ids is None:
+            return False
+        for i, ids in zip(indices.tolist(), block_ids):
+            new_block_ids[i] = ids
+        self.table.num_held_tokens[block_rows] += kv.block_size
+        return True
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> BlocksPerGroup | None:
         """``allocate_slots`` for a running request, preempting from the newest end until the pool
@@ -371,44 +395,52 @@ class Scheduler:
     def _update_decodes(self, output: ModelRunnerOutput, rows: np.ndarray) -> list[Request]:
         """Apply the tokens of a step that ``_schedule_decodes`` planned (at table ``rows``, no request
         having left the running list since): one token each, appended in one pass, the counters
-        updated as arrays. ``_after_token`` runs only for the requests that may stop (by length,
-        stop token or grammar) or complete a block to hash."""
+        updated as arrays. A block completed by a token is hashed, and ``_finish_if_stopped`` runs
+        only for the requests that may stop (by length, stop token or grammar)."""
         kv, table, running = self.kv_cache_manager, self.table, self.running
         table.refresh(running, kv)
         sampled = output.sampled_token_ids
         if rows.min(initial=0) < 0:  # requests that finished since the step was planned
             sampled = [ids for ids, row in zip(sampled, rows.tolist()) if row >= 0]
             rows = rows[rows >= 0]
-        for row, token_ids in zip(rows.tolist(), sampled):
-            request = running[row]
+        # The rows are in running order, so as many as there are running requests are all of them.
+        requests = running if len(rows) == len(running) else [running[row] for row in rows.tolist()]
+        for request, token_ids in zip(requests, sampled):
             request.append_output_token(token_ids[0])
             request.num_output_placeholders -= 1
         table.num_tokens[rows] += 1
         table.num_output_placeholders[rows] -= 1
         num_tokens = table.num_tokens[rows]
-        needs_own = ((num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
-                     | table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows))))
-        if kv.enable_caching:  # a later step computed the token already: its block may be complete
-            needs_own |= ((table.num_computed_tokens[rows] == num_tokens)
-                          & (num_tokens // kv.block_size > table.num_hashed_blocks[rows]))
+        if kv.enable_caching:  # a later step computed the token already: the block it completes is hashed
+            num_full = num_tokens // kv.block_size
+            completed = np.flatnonzero((table.num_computed_tokens[rows] == num_tokens)
+                                       & (num_full > table.num_hashed_blocks[rows]))
+            for i in completed.tolist():
+                request = requests[i]
+                kv.cache_blocks(request, request.num_tokens)
+            table.num_hashed_blocks[rows[completed]] = num_full[completed]
+        may_stop = (num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
+        if len(table.stop_token_ids):  # none when every request ignores EOS and has no stop tokens
+            may_stop |= table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows)))
         finished = []
-        checked = np.flatnonzero(needs_own)
-        checked_rows = rows[checked].tolist()
-        checked_requests = [running[row] for row in checked_rows]
-        for request, i in zip(checked_requests, checked.tolist()):
-            self._after_token(request, sampled[i], finished)
-        table.update_kv_rows(checked_rows, checked_requests, kv)
+        for i in np.flatnonzero(may_stop).tolist():
+            self._finish_if_stopped(requests[i], sampled[i], finished)
         return finished
 
     def _after_token(self, request: Request, token_ids: list[int], finished: list[Request]) -> None:
-        """What follows a request's new token: its grammar accepts it, a block it completes is
-        hashed, and the request stops (appended to ``finished``) or goes on."""
-        token_id = token_ids[0]
-        if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
-            raise RuntimeError(f"request {request.request_id!r} sampled token {token_id}, which its grammar forbids")
+        """What follows a request's new token: a block it completes is hashed, then
+        ``_finish_if_stopped``."""
         num_tokens = request.num_tokens
         if request.num_computed_tokens == num_tokens:  # a later step computed it already
             self.kv_cache_manager.cache_blocks(request, num_tokens)
+        self._finish_if_stopped(request, token_ids, finished)
+
+    def _finish_if_stopped(self, request: Request, token_ids: list[int], finished: list[Request]) -> None:
+        """The request's grammar accepts its new token, and the request stops (appended to
+        ``finished``) or goes on."""
+        token_id = token_ids[0]
+        if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
+            raise RuntimeError(f"request {request.request_id!r} sampled token {token_id}, which its grammar forbids")
         status = self._check_stop(request, token_id)
         if status is not None:
             if request.status is RequestStatus.PREEMPTED:  # while its last token was in flight
@@ -488,12 +520,12 @@ class _StepBuilder:
 
     def add_decodes(self, req_ids: list[str], new_block_ids: list[BlockIds | None], num_computed: list[int],
                     is_decode: np.ndarray) -> None:
-        """Schedule one token of each of ``req_ids``, which the runner holds; the caller has counted
-        them as computed and their placeholders."""
+        """Schedule one token of each of ``req_ids``, which the runner holds, as the step's first
+        requests; the caller has counted them as computed and their placeholders."""
         self.cached_req_ids += req_ids
         self.cached_new_block_ids += new_block_ids
         self.cached_num_computed_tokens += num_computed
-        self.num_scheduled.update(dict.fromkeys(req_ids, 1))
+        self.num_scheduled = dict.fromkeys(req_ids, 1)
         self.budget -= len(req_ids)
         self.num_tokens += len(req_ids)
         self.decode_req_ids += req_ids if is_decode.all() else [req_ids[i] for i in np.flatnonzero(is_decode)]
