@@ -266,19 +266,30 @@ class ModelRunner:
         if processors is not None and processors.penalties is not None:  # count the new tokens on the device
             penalties = processors.penalties
             batch.token_counts.count(penalties.batch_rows, sampled.sampled_token_ids[penalties.rows])
-        sample_rows = inputs.batch_rows[inputs.sample_rows]
+        # Every request samples (decodes): its rows are the step's, the same array as the last step's
+        # while it ran the same requests in the same rows.
+        sample_rows = inputs.batch_rows if len(inputs.sample_rows) == inputs.num_reqs else \
+            inputs.batch_rows[inputs.sample_rows]
         logprobs_rows = None
         if sampled.logprobs_tensors is not None:
             logprobs_rows = np.flatnonzero(batch.num_logprobs[sample_rows] >= 0)
         # The new tokens count from now on; their ids reach token_ids once the engine fetched them.
         positions = batch.num_tokens[sample_rows].astype(np.int64)
-        batch.num_tokens[sample_rows] += 1
-        batch.last_sample_index.fill(-1)
-        batch.last_sample_index[sample_rows] = np.arange(len(sample_rows))
+        batch.num_tokens[sample_rows] = positions + 1
+        if not self._last_step_sampled(sample_rows):  # else each row keeps its index
+            batch.last_sample_index.fill(-1)
+            batch.last_sample_index[sample_rows] = np.arange(len(sample_rows))
         self.last_output = DeviceStepOutput(req_ids, inputs.sample_rows, positions, sampled, logprobs_rows,
                                             prompt_logprobs, sample_rows, batch.rows_version)
         self.unapplied.append(self.last_output)
         return self.last_output
+
+    def _last_step_sampled(self, rows: np.ndarray) -> bool:
+        """Whether the last step sampled exactly the batch rows ``rows``, in this order (the same
+        read-only array of a ``StepRows``), and no row has changed hands since: then each row's
+        ``last_sample_index`` is its position in ``rows``."""
+        last = self.last_output
+        return last is not None and last.batch_rows is rows and last.rows_version == self.input_batch.rows_version
 
     def apply_fetched_outputs(self) -> None:
         """Write the tokens of the steps whose output the engine has fetched since into the
@@ -443,7 +454,7 @@ class ModelRunner:
         last = self.last_output
         src = batch.last_sample_index[rows] if last is not None and last in self.unapplied else None
         if (src is not None and num_tokens == len(rows) == padded_tokens
-                and np.array_equal(src, self.arange[:num_tokens])):
+                and (self._last_step_sampled(rows) or np.array_equal(src, self.arange[:num_tokens]))):
             input_ids = buffers.input_ids.device[:num_tokens]
             input_ids.copy_(last.sampled[:num_tokens])
             return input_ids
