@@ -4,7 +4,6 @@ side), the start-up steps, the CUDA graph shapes and steps padded to one (decode
 fetched tokens reach the persistent batch."""
 
 from collections import Counter
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,7 +19,6 @@ from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 from micro_vllm.worker.cuda_graphs import CudaGraphs, CudaGraphShape, cudagraph_capture_shapes, pad_decode_batch
 from micro_vllm.worker.dummy_run import profile_query_lens, profile_run, warm_up
 from micro_vllm.worker.input_buffers import InputBuffers
-from micro_vllm.worker.model_runner import ModelRunner
 from helpers.tiny_models import make_tiny_model
 
 
@@ -185,7 +183,6 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
         for buffer, stale in [(buffers.query_start_loc, 7), (buffers.seq_lens, 50), (buffers.input_ids, 5),
                               (buffers.positions, 9), (buffers.block_tables[0], 3), (buffers.slot_mappings[0], 70)]:
             buffer.np[:] = stale
-        runner.staged_block_tables = None  # as after a larger step, which staged other rows
         shape = CudaGraphShape(32, 4)
         assert shape.fits(2, 10)
         monkeypatch.setattr(runner.cuda_graphs, "shape_for", lambda num_reqs, num_tokens: shape)
@@ -238,11 +235,9 @@ def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_p
 
 
 def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computation(tmp_path):
-    """Through requests that finish, join and are preempted, after every step: the staged block
-    tables (only the grown rows and new columns gathered again when the last step staged the same
-    rows) and where each row's token is in the step's sampled tensor (``last_sample_index``, kept
-    from the last step when it sampled the same rows), each as computed anew; and some steps did
-    keep each."""
+    """Through requests that finish, join and are preempted, after every step: where each row's
+    token is in the step's sampled tensor (``last_sample_index``, kept from the last step when it
+    sampled the same rows), as computed anew; and some steps did keep it."""
     path = make_tiny_model("qwen3", tmp_path)
     llm = LLM(model=str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=3,
               max_num_batched_tokens=16, block_size=4, num_blocks=14)
@@ -251,15 +246,9 @@ def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computat
 
     def checked_execute(plan):
         log["preempted"] += len(plan.preempted_req_ids)
-        last, staged = runner.last_output, runner.staged_block_tables
+        last = runner.last_output
         output = execute(plan)
         batch, newest = runner.input_batch, runner.last_output
-        if not plan.is_empty:
-            now = runner.staged_block_tables
-            log["tables kept"] += staged is not None and staged.rows is now.rows
-            for table, block_table in zip(batch.block_tables, runner.buffers.block_tables):
-                expected = table[now.rows, : now.num_cols]
-                assert np.array_equal(block_table.np[: len(now.rows), : now.num_cols], expected)
         if newest is output:
             log["kept"] += last is not None and last.batch_rows is newest.batch_rows
             expected = np.full(len(batch), -1)
@@ -272,27 +261,4 @@ def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computat
     params = [SamplingParams(max_tokens=4 + 5 * i, temperature=0, ignore_eos=True) for i in range(6)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
-    assert log["preempted"] and log["kept"] > 10 and log["tables kept"] > 10
-
-
-def test_staging_the_same_rows_again_gathers_the_grown_rows_and_the_newly_reached_columns():
-    """A step over the rows the last step staged gathers again the rows whose tables grew and, for
-    every row, the columns its contexts now reach (a row may hold a block there that it got before)."""
-    runner = ModelRunner.__new__(ModelRunner)  # only what staging reads
-    table = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)
-    runner.input_batch = SimpleNamespace(block_tables=[table])
-    runner.buffers = SimpleNamespace(block_tables=[CpuGpuBuffer((4, 6), torch.int32, torch.device("cpu"))])
-    runner.staged_block_tables, runner.steps_with_new_blocks = None, []
-    rows = np.array([2, 0, 3])
-    staged = runner.buffers.block_tables[0].np
-    runner._stage_block_tables(rows, 2)
-    assert np.array_equal(staged[:3, :2], table[rows, :2])
-    table[0, 1] = table[3, 3] = table[2, 2] = -1  # the step's second request grew; the others hold more
-    runner.steps_with_new_blocks = [1]
-    runner._stage_block_tables(rows, 4)
-    assert np.array_equal(staged[:3, :4], table[rows, :4])
-    table[2, 0] = -2  # no step grows it and the same rows are staged: not gathered again
-    runner._stage_block_tables(rows, 4)
-    assert staged[0, 0] != -2
-    runner._stage_block_tables(rows.copy(), 4)  # other rows (the same values): all gathered
-    assert staged[0, 0] == -2
+    assert log["preempted"] and log["kept"] > 10

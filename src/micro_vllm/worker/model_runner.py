@@ -143,15 +143,6 @@ class StepRows:
         self.rows.flags.writeable = False
 
 
-@dataclass(frozen=True)
-class StagedBlockTables:
-    """What the step buffers' block tables hold: the first ``num_cols`` columns of the persistent
-    batch's tables at ``rows`` (a ``StepRows`` array), as of the step that staged them."""
-
-    rows: np.ndarray
-    num_cols: int
-
-
 @dataclass
 class StepInputs:
     batch_rows: np.ndarray  # the persistent-batch row of each request, in the step's order
@@ -193,9 +184,6 @@ class ModelRunner:
         self.last_output: DeviceStepOutput | None = None  # the step launched last
         self.sampling_settings: SamplingSettings | None = None  # those of the rows the last step sampled
         self.step_rows: StepRows | None = None  # the rows of the last step's requests
-        # The positions in the step's requests of those whose block tables the plan grew.
-        self.steps_with_new_blocks: list[int] = []
-        self.staged_block_tables: StagedBlockTables | None = None
         self.unapplied: list[DeviceStepOutput] = []  # launched steps whose tokens token_ids lacks
 
     # -- set-up --------------------------------------------------------------------------------
@@ -334,10 +322,10 @@ class ModelRunner:
             batch.add_request(new)
         cached = plan.scheduled_cached_reqs
         rows = self._rows_of(cached.req_ids)
-        new_block_ids = cached.new_block_ids
-        with_blocks = self.steps_with_new_blocks = [i for i, ids in enumerate(new_block_ids) if ids is not None]
         if cached.req_ids:
             batch.num_computed_tokens[rows] = np.fromiter(cached.num_computed_tokens, np.int32, len(rows))
+            new_block_ids = cached.new_block_ids
+            with_blocks = [i for i, block_ids in enumerate(new_block_ids) if block_ids is not None]
             if with_blocks:  # most decodes get no new block
                 batch.append_block_ids(rows[with_blocks].tolist(), [new_block_ids[i] for i in with_blocks])
         if plan.scheduled_new_reqs:
@@ -388,9 +376,9 @@ class ModelRunner:
         # Only the columns this step's contexts reach are gathered and copied; the rest is never read.
         max_seq_len = int(seq_lens.max())
         num_cols = buffers.num_cols(max_seq_len)
-        self._stage_block_tables(rows, num_cols)
-        for block_table, slot_mapping in zip(buffers.block_tables, buffers.slot_mappings):
+        for table, block_table, slot_mapping in zip(batch.block_tables, buffers.block_tables, buffers.slot_mappings):
             step_table = block_table.np[:num_reqs, :num_cols]
+            step_table[:] = table[rows, :num_cols]
             np.add(step_table[req_of_token, block_index] * block_size, block_offset, out=slot_mapping.np[:num_tokens])
 
         # Only requests whose every token so far (sampled ones still on the device too) is now
@@ -430,25 +418,6 @@ class ModelRunner:
         if self.copies_done is not None:
             self.copies_done.record()
         return inputs
-
-    def _stage_block_tables(self, rows: np.ndarray, num_cols: int) -> None:
-        """Gather the first ``num_cols`` columns of the block tables of ``rows`` into the step
-        buffers. When the last step staged the same rows (the same ``StepRows`` array: the same
-        requests in the same rows), only the rows whose tables grew since and the columns the
-        contexts newly reach are gathered (most decode steps)."""
-        staged, num_reqs = self.staged_block_tables, len(rows)
-        tables = zip(self.input_batch.block_tables, self.buffers.block_tables)
-        if staged is not None and staged.rows is rows:
-            grown, num_staged_cols = self.steps_with_new_blocks, staged.num_cols
-            for table, block_table in tables:
-                if grown:
-                    block_table.np[grown, :num_cols] = table[rows[grown], :num_cols]
-                if num_cols > num_staged_cols:
-                    block_table.np[:num_reqs, num_staged_cols:num_cols] = table[rows, num_staged_cols:num_cols]
-        else:
-            for table, block_table in tables:
-                block_table.np[:num_reqs, :num_cols] = table[rows, :num_cols]
-        self.staged_block_tables = StagedBlockTables(rows, num_cols)
 
     def _plan_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, query_start_loc: np.ndarray,
                               num_computed: np.ndarray, num_scheduled: np.ndarray) -> list[PromptLogprobsSlice]:
