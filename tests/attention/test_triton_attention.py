@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from micro_vllm.attention.backends import triton_attn  # noqa: E402
-from micro_vllm.attention.backends.abstract import AttentionMetadata  # noqa: E402
+from micro_vllm.attention.backends.abstract import AttentionMetadata, CommonAttentionMetadata  # noqa: E402
 from micro_vllm.attention.backends.reference import write_kv_to_cache  # noqa: E402
 from micro_vllm.attention.backends.registry import get_backend_cls  # noqa: E402
 from micro_vllm.attention.spec import AttentionSpec  # noqa: E402
@@ -177,6 +177,43 @@ def test_the_builder_orders_decode_steps_longest_context_first(rng: random.Rando
     assert order.data_ptr() == builder.decode_order.device.data_ptr()
     mixed = make_batch(rng, [(1, 5), (3, 0)], **shape)
     assert builder.build(mixed.metadata.common).decode_order is None
+
+
+
+def test_the_builder_sorts_again_unless_every_length_grew_by_one() -> None:
+    """Across decode steps whose requests finish, join, are preempted or grow unevenly, and a mixed
+    step between them, the builder's order is always the one a fresh sort gives."""
+    builder = triton_attn.TritonAttentionMetadataBuilder(AttentionSpec(num_kv_heads=2, head_size=16), 4, 16, 8,
+                                                         torch.device(DEVICE))
+
+    def step(seq_lens: list[int], query_len: int = 1) -> torch.Tensor | None:
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        starts = torch.arange(0, query_len * len(seq_lens) + 1, query_len, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            num_actual_tokens=query_len * len(seq_lens), max_query_len=query_len, max_seq_len=max(seq_lens),
+            query_start_loc=starts.to(DEVICE), seq_lens=lens.to(DEVICE),
+            block_table=torch.zeros(len(seq_lens), 1, dtype=torch.int32, device=DEVICE),
+            slot_mapping=torch.zeros(query_len * len(seq_lens), dtype=torch.int64, device=DEVICE),
+            query_start_loc_cpu=starts, seq_lens_cpu=lens,
+        )
+        return builder.build(common).decode_order
+
+    steps = [
+        [5, 9, 5, 7],  # ties keep request order
+        [6, 10, 6, 8],  # every length grew by one: the same order
+        [7, 11, 7, 9],
+        [8, 12, 10, 10],  # the third grew by three and now ties with the last
+        [9, 13, 11],  # the last finished
+        [10, 14, 12, 30],  # one joined
+        [11, 15, 13, 31],
+        [4, 16, 14, 32],  # the first was preempted and came back with a shorter context
+        [17, 14, 33],  # the first finished and the last moved into its row
+    ]
+    for seq_lens in steps:
+        expected = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])  # stable
+        assert step(seq_lens).tolist() == expected, seq_lens
+    assert step([18, 15, 34], query_len=2) is None  # a mixed step keeps no order ...
+    assert step([19, 16, 35]).tolist() == [2, 0, 1]  # ... and the next decode step still gets the right one
 
 
 def test_long_chunk_spans_many_query_blocks(rng: random.Random) -> None:

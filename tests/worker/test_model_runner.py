@@ -3,6 +3,9 @@ CpuGpuBuffer's host and device sides are one tensor, so a separate twin stands i
 side), the start-up steps, the CUDA graph shapes and steps padded to one (decode and mixed), and when
 fetched tokens reach the persistent batch."""
 
+from collections import Counter
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -229,3 +232,33 @@ def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_p
         assert runner.sampling_settings is settings
         assert batch.token_ids[batch.row_of["c"], 2] == sampled["c"][0]
         assert batch.token_ids[batch.row_of["b"], 5] == sampled["b"][0]
+
+
+def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computation(tmp_path):
+    """Through requests that finish, join and are preempted, after every step: where each row's
+    token is in the step's sampled tensor (``last_sample_index``, kept from the last step when it
+    sampled the same rows), as computed anew; and some steps did keep it."""
+    path = make_tiny_model("qwen3", tmp_path)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=3,
+              max_num_batched_tokens=16, block_size=4, num_blocks=14)
+    runner = llm.engine.executor.worker.model_runner
+    execute, log = runner.execute_model, Counter()
+
+    def checked_execute(plan):
+        log["preempted"] += len(plan.preempted_req_ids)
+        last = runner.last_output
+        output = execute(plan)
+        batch, newest = runner.input_batch, runner.last_output
+        if newest is output:
+            log["kept"] += last is not None and last.batch_rows is newest.batch_rows
+            expected = np.full(len(batch), -1)
+            expected[newest.batch_rows] = np.arange(len(newest.batch_rows))
+            assert np.array_equal(batch.last_sample_index[: len(batch)], expected)
+        return output
+
+    runner.execute_model = checked_execute
+    prompts = [[(i * 13 + j * 5) % 250 for j in range(6 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=4 + 5 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert log["preempted"] and log["kept"] > 10

@@ -151,7 +151,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: list[AttentionMetadata]  # one per decoder layer
-    logits_indices: torch.Tensor  # the last token of each request that samples this step
+    # The last token of each request that samples this step; None when every token samples (decodes).
+    logits_indices: torch.Tensor | None
     sample_rows: np.ndarray  # positions in the step's request order of those requests
     sampling_metadata: SamplingMetadata
     cuda_graph_shape: CudaGraphShape | None  # the captured shape the step is padded to and replays; None: eager
@@ -266,19 +267,30 @@ class ModelRunner:
         if processors is not None and processors.penalties is not None:  # count the new tokens on the device
             penalties = processors.penalties
             batch.token_counts.count(penalties.batch_rows, sampled.sampled_token_ids[penalties.rows])
-        sample_rows = inputs.batch_rows[inputs.sample_rows]
+        # Every request samples (decodes): its rows are the step's, the same array as the last step's
+        # while it ran the same requests in the same rows.
+        sample_rows = inputs.batch_rows if len(inputs.sample_rows) == inputs.num_reqs else \
+            inputs.batch_rows[inputs.sample_rows]
         logprobs_rows = None
         if sampled.logprobs_tensors is not None:
             logprobs_rows = np.flatnonzero(batch.num_logprobs[sample_rows] >= 0)
         # The new tokens count from now on; their ids reach token_ids once the engine fetched them.
         positions = batch.num_tokens[sample_rows].astype(np.int64)
-        batch.num_tokens[sample_rows] += 1
-        batch.last_sample_index.fill(-1)
-        batch.last_sample_index[sample_rows] = np.arange(len(sample_rows))
+        batch.num_tokens[sample_rows] = positions + 1
+        if not self._last_step_sampled(sample_rows):  # else each row keeps its index
+            batch.last_sample_index.fill(-1)
+            batch.last_sample_index[sample_rows] = np.arange(len(sample_rows))
         self.last_output = DeviceStepOutput(req_ids, inputs.sample_rows, positions, sampled, logprobs_rows,
                                             prompt_logprobs, sample_rows, batch.rows_version)
         self.unapplied.append(self.last_output)
         return self.last_output
+
+    def _last_step_sampled(self, rows: np.ndarray) -> bool:
+        """Whether the last step sampled exactly the batch rows ``rows``, in this order (the same
+        read-only array of a ``StepRows``), and no row has changed hands since: then each row's
+        ``last_sample_index`` is its position in ``rows``."""
+        last = self.last_output
+        return last is not None and last.batch_rows is rows and last.rows_version == self.input_batch.rows_version
 
     def apply_fetched_outputs(self) -> None:
         """Write the tokens of the steps whose output the engine has fetched since into the
@@ -349,6 +361,7 @@ class ModelRunner:
             query_start_loc[:] = self.arange[: num_reqs + 1]
             req_of_token = self.arange[:num_reqs]
             positions[:] = num_computed
+            max_query_len = 1
         else:
             num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int32, num_reqs)
             query_start_loc[0] = 0
@@ -357,6 +370,7 @@ class ModelRunner:
             req_of_token = np.repeat(self.arange[:num_reqs], num_scheduled)
             offsets = self.arange[:num_tokens] - np.repeat(query_start_loc[:-1], num_scheduled)
             np.add(num_computed[req_of_token], offsets, out=positions)
+            max_query_len = int(num_scheduled.max())
         seq_lens = buffers.seq_lens.np[:num_reqs]
         np.add(num_computed, num_scheduled, out=seq_lens)
 
@@ -374,8 +388,10 @@ class ModelRunner:
         # computed produce a next token.
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[rows])[0]
         num_samples = len(sample_rows)
-        np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
-        max_query_len = int(num_scheduled.max())
+        logits_indices = None
+        if num_samples < num_tokens:
+            np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
+            logits_indices = self.logits_indices.copy_to_device(num_samples)
         prompt_logprobs = []
         if (batch.num_prompt_logprobs[rows] >= 0).any():
             prompt_logprobs = self._plan_prompt_logprobs(req_ids, rows, query_start_loc, num_computed, num_scheduled)
@@ -396,7 +412,7 @@ class ModelRunner:
             positions=buffers.positions.copy_to_device(padded_tokens),
             attn_metadata=buffers.attention_metadata(padded_reqs, padded_tokens, max_query_len, max_seq_len,
                                                      num_cols),
-            logits_indices=self.logits_indices.copy_to_device(num_samples),
+            logits_indices=logits_indices,
             sample_rows=sample_rows,
             sampling_metadata=self._sampling_metadata(rows[sample_rows]),
             cuda_graph_shape=graph_shape,
@@ -443,7 +459,7 @@ class ModelRunner:
         last = self.last_output
         src = batch.last_sample_index[rows] if last is not None and last in self.unapplied else None
         if (src is not None and num_tokens == len(rows) == padded_tokens
-                and np.array_equal(src, self.arange[:num_tokens])):
+                and (self._last_step_sampled(rows) or np.array_equal(src, self.arange[:num_tokens]))):
             input_ids = buffers.input_ids.device[:num_tokens]
             input_ids.copy_(last.sampled[:num_tokens])
             return input_ids
@@ -532,7 +548,7 @@ class ModelRunner:
     def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         """The logits of the requests that sample this step, and a token drawn for each (on the device),
         with the logprobs the batch asks for."""
-        if len(inputs.sample_rows) < inputs.num_tokens:  # else every token samples (decodes): no gather
+        if inputs.logits_indices is not None:  # else every token samples (decodes): no gather
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states)
         if inputs.grammar_bitmask is not None:

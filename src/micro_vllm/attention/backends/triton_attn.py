@@ -502,13 +502,21 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.decode_order = CpuGpuBuffer((self.max_num_reqs,), torch.int32, self.device)
+        # The context lengths of a decode step that keeps the staged order: those it was sorted for,
+        # each one longer (adding the same to every length changes no comparison, ties included).
+        self.seq_lens_keeping_order = np.empty(0, np.int32)
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """A decode step (one token per request) gets its requests ordered longest context first."""
+        """A decode step (one token per request) gets its requests ordered longest context first.
+        The order is sorted again only when the lengths are not those of the last decode step each
+        grown by one (most decode steps keep their requests, and each request grows by its token)."""
         num_reqs = common.num_reqs
         if common.num_actual_tokens != num_reqs:
             return TritonAttentionMetadata(common)
-        self.decode_order.np[:num_reqs] = np.argsort(-common.seq_lens_cpu.numpy(), kind="stable")
+        seq_lens = common.seq_lens_cpu.numpy()
+        if not np.array_equal(seq_lens, self.seq_lens_keeping_order):
+            self.decode_order.np[:num_reqs] = np.argsort(-seq_lens, kind="stable")
+        self.seq_lens_keeping_order = seq_lens + 1
         return TritonAttentionMetadata(common, self.decode_order.copy_to_device(num_reqs))
 
 
