@@ -151,25 +151,32 @@ def test_bf16_decodes_compute_as_the_reference(rng: random.Random, shape) -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp32_decodes_weight_the_values_where_they_lie(rng: random.Random, dtype) -> None:
-    """fp32 decodes sum each query head's weighted value rows straight from the cache (one
-    embedding_bag over the cache's values, no gathered copy); other dtypes keep the fp32 batched
-    matmul, as embedding_bag would weight the rows in the cache's dtype."""
+def test_fp32_decodes_read_keys_and_values_where_they_lie(rng: random.Random, dtype) -> None:
+    """fp32 decodes on CPU score each query head against its key rows where they lie in the cache (one
+    sampled_addmm over the cache's keys) and sum its weighted value rows there too (one embedding_bag
+    over the cache's values): no gathered copy of either. Other dtypes keep the fp32 batched matmuls,
+    as both ops would compute in the cache's dtype."""
     batch = make_batch(rng, [(1, 9), (1, 20), (5, 3)], num_heads=6, num_kv_heads=2, head_size=16, block_size=4,
                        dtype=dtype, device="cpu")
-    tables = []
-    original = torch.nn.functional.embedding_bag
+    tables = []  # the matrix each op reads rows of
+    embedding_bag, sampled_addmm = torch.nn.functional.embedding_bag, torch.sparse.sampled_addmm
 
-    def recording(indices, weight, *args, **kwargs):
-        tables.append(weight)
-        return original(indices, weight, *args, **kwargs)
+    def recording_bag(indices, weight, *args, **kwargs):
+        tables.append(("embedding_bag", weight.data_ptr()))
+        return embedding_bag(indices, weight, *args, **kwargs)
+
+    def recording_scores(pattern, mat1, mat2, **kwargs):
+        tables.append(("sampled_addmm", mat2.data_ptr()))
+        return sampled_addmm(pattern, mat1, mat2, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sdpa.F, "embedding_bag", recording)
+        patch.setattr(sdpa.F, "embedding_bag", recording_bag)
+        patch.setattr(sdpa.torch.sparse, "sampled_addmm", recording_scores)
         if dtype == torch.float32:
             check_sdpa_against_reference(batch, None)
         else:
             get_backend_cls("sdpa")().forward(batch.query, batch.kv_cache, sdpa_metadata(batch, None), scale=0.25,
                                               sliding_window=None)
-    values = batch.kv_cache[1]
-    assert [t.data_ptr() for t in tables] == ([values.data_ptr()] if dtype == torch.float32 else [])
+    keys, values = batch.kv_cache
+    expected = [("sampled_addmm", keys.data_ptr()), ("embedding_bag", values.data_ptr())]
+    assert tables == (expected if dtype == torch.float32 else [])

@@ -1,5 +1,5 @@
-"""RMSNorm's PyTorch path against transformers' LlamaRMSNorm: bit for bit in fp32, where it runs
-PyTorch's one-kernel ``F.rms_norm`` instead of transformers' separate steps."""
+"""RMSNorm's PyTorch path against transformers' LlamaRMSNorm: bit for bit in fp32, where it runs the
+same steps with the small [tokens, 1] statistics updated in place."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import overload
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from micro_vllm.layers.custom_op import CustomOp, triton_ops
@@ -51,15 +50,12 @@ class RMSNorm(CustomOp):
         return triton_ops.rms_norm(x, self.weight, self.eps, residual)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and x.dtype == self.weight.dtype == torch.float32:
-            # PyTorch's one-kernel RMSNorm; on CPU in fp32 it rounds as the steps below do (no casts
-            # to place), where each of those steps would make a pass over memory.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Statistics in fp32 even for bf16 inputs; the weight multiplies after the cast back, as in
-        # Hugging Face's implementation, so low-precision outputs match it bit for bit.
+        # Hugging Face's implementation, so low-precision outputs match it bit for bit. (PyTorch's
+        # F.rms_norm runs these same steps on CPU, through more dispatch.)
         x_float = x.float()
         variance = x_float.pow(2).mean(dim=-1, keepdim=True)
-        normalized = (x_float * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        normalized = (x_float * variance.add_(self.eps).rsqrt_()).to(x.dtype)
         return self.weight * normalized
 
     def extra_repr(self) -> str:

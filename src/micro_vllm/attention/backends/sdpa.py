@@ -10,12 +10,15 @@ keys, head size], so each (request, KV head) is one contiguous matrix: decodes (
 a group of query heads per KV head) score their keys in one batched matmul, which on CPU costs less
 than ``scaled_dot_product_attention``'s blocked kernel at a few queries per head. In fp32, a decode's
 values are not gathered at all: ``embedding_bag`` sums each query head's value rows, weighted by its
-probabilities, where they lie in the cache. The slots the step's K/V are written to are likewise
-sorted out once per step (``KVWrites``), so a layer's write is one copy per cache tensor.
+probabilities, where they lie in the cache; on CPU its keys are not either: ``sampled_addmm`` takes
+just the dot products of each query head with its key rows, in place. The slots the step's K/V are
+written to are likewise sorted out once per step (``KVWrites``), so a layer's write is one copy per
+cache tensor.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -59,6 +62,20 @@ class PaddedBatch:
         ``kv_rows``; query head h reads KV head h // group), the bags ``embedding_bag`` sums. Built by
         the first layer that reads it: only fp32 caches do."""
         return self.kv_rows.view(-1, 1, self.num_keys).expand(-1, self.group, -1).reshape(-1, self.num_keys)
+
+    @cached_property
+    def score_pattern(self) -> torch.Tensor:
+        """Decodes: sparse CSR [R * heads, cache rows up to the last one read], an entry at each query
+        head's ``value_bags``, for ``sampled_addmm`` to compute just those dot products. Built by the
+        first layer that reads it: only fp32 caches on CPU do."""
+        bags = self.value_bags
+        num_rows, num_keys = bags.shape
+        row_starts = torch.arange(0, num_rows * num_keys + 1, num_keys, device=bags.device)
+        zeros = torch.zeros(bags.numel(), device=bags.device)
+        size = (num_rows, int(self.kv_rows.max()) + 1)
+        with warnings.catch_warnings():  # torch warns that its CSR support is in beta
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support", UserWarning)
+            return torch.sparse_csr_tensor(row_starts, bags.flatten(), zeros, size=size, check_invariants=False)
 
 
 def padded_batch(metadata: CommonAttentionMetadata, requests_cpu: torch.Tensor, block_size: int,
@@ -194,18 +211,15 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
     num_heads, head_size = query.shape[1:]
     q_len, k_len = batch.num_queries, batch.num_keys
     num_reqs = query.shape[0] // q_len
-    k = keys.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads  # query heads per KV head
     if q_len == 1:
-        # Query head h reads KV head h // group, so each (request, KV head) holds `group` query rows.
-        # In fp32 whatever the model's dtype (a no-op for fp32 models), as the reference backend.
-        q = query.reshape(num_reqs * num_kv_heads, group, head_size).float()
-        scores = torch.bmm(q, k.flatten(0, 1).float().transpose(1, 2)).mul_(scale)
+        scores = _decode_scores(query, keys, batch, scale)
         if batch.mask is not None:
             scores += batch.mask
         out = _weighted_values(scores.softmax(dim=-1), values, batch)
         return out.to(query.dtype).view(num_reqs, num_heads, head_size)
+    k = keys.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads  # query heads per KV head
     v = values.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
     k, v = k.to(query.dtype), v.to(query.dtype)  # an fp8 cache widens to the query's dtype; else a no-op
     # Each KV head's query heads stacked along the query axis, so one call serves GQA without
@@ -215,6 +229,24 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, q_len, head_size).permute(0, 3, 1, 2, 4)
     return out.reshape(num_reqs * q_len, num_heads, head_size)
+
+
+def _decode_scores(query: torch.Tensor, keys: torch.Tensor, batch: PaddedBatch, scale: float) -> torch.Tensor:
+    """Each decode query head's scaled scores over its key slots, in fp32 whatever the model's dtype
+    (as the reference backend): [R * kv_heads, group, num_keys], query head h of a request reading KV
+    head h // group, so each (request, KV head) holds ``group`` rows."""
+    head_size = query.shape[-1]
+    if keys.dtype == query.dtype == torch.float32 and keys.is_cpu:
+        # sampled_addmm takes each dot product of a query row with a cache row where that row lies, so
+        # K is never gathered into a copy, and runs no matrix call per (request, KV head), whose fixed
+        # cost on CPU is most of a batched matmul's at a few query rows each.
+        pattern = batch.score_pattern
+        scores = torch.sparse.sampled_addmm(pattern, query.reshape(-1, head_size), keys[: pattern.shape[1]].t(),
+                                            beta=0.0, alpha=scale)
+        return scores.values().view(-1, batch.group, batch.num_keys)
+    k = keys.index_select(0, batch.kv_rows).view(-1, batch.num_keys, head_size)
+    q = query.reshape(k.shape[0], batch.group, head_size)
+    return torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scale)
 
 
 def _weighted_values(probs: torch.Tensor, values: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
