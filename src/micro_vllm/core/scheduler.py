@@ -264,8 +264,7 @@ class Scheduler:
         table.update_kv_rows(own_rows, own_requests, kv)
         table.num_computed_tokens[rows] += 1
         table.num_output_placeholders[rows] += 1  # each samples its next token
-        # The rows are in running order, so as many as there are running requests are all of them.
-        requests = running if len(rows) == len(running) else [running[row] for row in rows.tolist()]
+        requests = self._running_at(rows)
         for request in requests:
             request.num_computed_tokens += 1
             request.num_output_placeholders += 1
@@ -273,6 +272,12 @@ class Scheduler:
         step.add_decodes([r.request_id for r in requests], new_block_ids, num_computed.tolist(),
                          num_computed >= table.num_prompt_tokens[rows])
         return rows
+
+    def _running_at(self, rows: np.ndarray) -> list[Request]:
+        """The running requests at table ``rows``, which are in running order: as many rows as there
+        are running requests are all of them, and the list itself serves."""
+        running = self.running
+        return running if len(rows) == len(running) else [running[row] for row in rows.tolist()]
 
     def _allocate_decode_blocks(self, rows: np.ndarray, needs_block: np.ndarray,
                                 new_block_ids: list[BlockIds | None]) -> bool:
@@ -403,8 +408,7 @@ class Scheduler:
         if rows.min(initial=0) < 0:  # requests that finished since the step was planned
             sampled = [ids for ids, row in zip(sampled, rows.tolist()) if row >= 0]
             rows = rows[rows >= 0]
-        # The rows are in running order, so as many as there are running requests are all of them.
-        requests = running if len(rows) == len(running) else [running[row] for row in rows.tolist()]
+        requests = self._running_at(rows)
         for request, token_ids in zip(requests, sampled):
             request.append_output_token(token_ids[0])
             request.num_output_placeholders -= 1
