@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,9 +181,9 @@ def test_the_builder_orders_decode_steps_longest_context_first(rng: random.Rando
 
 
 
-def test_the_builder_sorts_again_unless_every_length_grew_by_one() -> None:
-    """Across decode steps whose requests finish, join, are preempted or grow unevenly, and a mixed
-    step between them, the builder's order is always the one a fresh sort gives."""
+def order_builder():
+    """A function that builds, with one triton metadata builder, a step of requests with these
+    context lengths, ``query_len`` tokens each, and returns the decode order it got."""
     builder = triton_attn.TritonAttentionMetadataBuilder(AttentionSpec(num_kv_heads=2, head_size=16), 4, 16, 8,
                                                          torch.device(DEVICE))
 
@@ -198,6 +199,14 @@ def test_the_builder_sorts_again_unless_every_length_grew_by_one() -> None:
         )
         return builder.build(common).decode_order
 
+    return step
+
+
+def test_the_builder_sorts_again_unless_every_length_grew_by_one() -> None:
+    """Across decode steps whose requests finish, join, are preempted or grow unevenly, and a mixed
+    step between them, the builder's order is always the one a fresh sort gives."""
+    step = order_builder()
+
     steps = [
         [5, 9, 5, 7],  # ties keep request order
         [6, 10, 6, 8],  # every length grew by one: the same order
@@ -208,12 +217,29 @@ def test_the_builder_sorts_again_unless_every_length_grew_by_one() -> None:
         [11, 15, 13, 31],
         [4, 16, 14, 32],  # the first was preempted and came back with a shorter context
         [17, 14, 33],  # the first finished and the last moved into its row
+        [18, 15, 34, 1, 1],  # padded to a graph's size with rows of length 1 ...
+        [19, 16, 35, 1, 1],  # ... which stay 1
+        [20, 1, 36, 1, 1],  # a request of length 1 in the second row, tied with the padding ...
+        [21, 2, 37, 1, 1],  # ... grows above it
+        [1, 3, 38, 1, 1],  # a new one of length 1 in the first row sorts after the second
     ]
     for seq_lens in steps:
         expected = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])  # stable
         assert step(seq_lens).tolist() == expected, seq_lens
     assert step([18, 15, 34], query_len=2) is None  # a mixed step keeps no order ...
     assert step([19, 16, 35]).tolist() == [2, 0, 1]  # ... and the next decode step still gets the right one
+
+
+def test_the_builder_keeps_the_order_of_padded_decode_steps(monkeypatch) -> None:
+    """A decode batch padded to a graph's size keeps its rows of length 1 from step to step: the
+    order is sorted once, then kept while the real requests each grow by one."""
+    step = order_builder()
+    sorts = []
+    argsort = np.argsort
+    monkeypatch.setattr(triton_attn.np, "argsort", lambda *args, **kwargs: sorts.append(1) or argsort(*args, **kwargs))
+    for grown in range(3):
+        assert step([7 + grown, 12 + grown, 1, 1]).tolist() == [1, 0, 2, 3]
+    assert len(sorts) == 1
 
 
 def test_long_chunk_spans_many_query_blocks(rng: random.Random) -> None:

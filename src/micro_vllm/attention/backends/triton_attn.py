@@ -503,20 +503,23 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         super().__init__(*args, **kwargs)
         self.decode_order = CpuGpuBuffer((self.max_num_reqs,), torch.int32, self.device)
         # The context lengths of a decode step that keeps the staged order: those it was sorted for,
-        # each one longer (adding the same to every length changes no comparison, ties included).
+        # each one longer (adding the same to every length changes no comparison, ties included),
+        # except rows of length 1, which stay 1: a decode batch padded to a CUDA graph's size pads
+        # with such rows, and they stay tied below every other row.
         self.seq_lens_keeping_order = np.empty(0, np.int32)
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """A decode step (one token per request) gets its requests ordered longest context first.
         The order is sorted again only when the lengths are not those of the last decode step each
-        grown by one (most decode steps keep their requests, and each request grows by its token)."""
+        grown by one, padding rows aside (most decode steps keep their requests, and each request
+        grows by its token)."""
         num_reqs = common.num_reqs
         if common.num_actual_tokens != num_reqs:
             return TritonAttentionMetadata(common)
         seq_lens = common.seq_lens_cpu.numpy()
         if not np.array_equal(seq_lens, self.seq_lens_keeping_order):
             self.decode_order.np[:num_reqs] = np.argsort(-seq_lens, kind="stable")
-        self.seq_lens_keeping_order = seq_lens + 1
+        self.seq_lens_keeping_order = np.where(seq_lens == 1, 1, seq_lens + 1)
         return TritonAttentionMetadata(common, self.decode_order.copy_to_device(num_reqs))
 
 
