@@ -28,8 +28,9 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 means e4m3, as on CUDA in vLLM
 # The ops with a Triton implementation beside their PyTorch one, as ``custom_ops`` names them: the
-# layers' CustomOps (layers/custom_op.py) and the sampler's route.
-CUSTOM_OPS = ("rms_norm", "qk_norm", "rotary_embedding", "silu_and_mul", "sampler")
+# layers' CustomOps (layers/custom_op.py) and the sampler's route. fused_qk_norm_rope does qk_norm's
+# and rotary_embedding's work in one kernel, and runs it only where both of theirs are enabled too.
+CUSTOM_OPS = ("rms_norm", "qk_norm", "rotary_embedding", "fused_qk_norm_rope", "silu_and_mul", "sampler")
 
 
 @dataclass(frozen=True)

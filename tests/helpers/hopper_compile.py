@@ -145,6 +145,7 @@ def layer_launches(dtype: torch.dtype, hidden: int = 1024, heads: int = 16, kv_h
     head_norm = (torch.ones(head_size, dtype=dtype), 1e-6)
     triton_ops.qk_norm(q, k, head_norm, head_norm, head_size)  # Qwen3's
     triton_ops.rotary_embedding(positions, q, k, cos_sin, head_size)
+    triton_ops.fused_qk_norm_rope(positions, q, k, head_norm, head_norm, cos_sin, head_size)  # Qwen3's, fused
     triton_ops.silu_and_mul(torch.zeros(num_tokens, 2 * intermediate, dtype=dtype))
 
 

@@ -35,6 +35,7 @@ from micro_vllm.layers import custom_op, triton_ops  # noqa: E402
 from micro_vllm.layers.activation import SiluAndMul  # noqa: E402
 from micro_vllm.layers.custom_op import resolve_custom_ops, set_custom_ops  # noqa: E402
 from micro_vllm.layers.norm import QKNorm, RMSNorm  # noqa: E402
+from micro_vllm.layers.qk_norm_rope import QKNormRoPE  # noqa: E402
 from micro_vllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from micro_vllm.model_loader.checkpoint import load_hf_config, load_model  # noqa: E402
 from micro_vllm.sampling import triton_sampler  # noqa: E402
@@ -112,15 +113,16 @@ def counted_kernel_calls() -> Iterator[Counter]:
 
 class EveryLayerOp:
     """Each layer op once, on random inputs: RMSNorm alone and with the residual, the q/k norm,
-    rotary embedding and SiLU-and-mul."""
+    rotary embedding, the two fused, and SiLU-and-mul."""
 
-    KERNEL_CALLS = {"rms_norm": 2, "qk_norm": 1, "rotary_embedding": 1, "silu_and_mul": 1}
+    KERNEL_CALLS = {"rms_norm": 2, "qk_norm": 1, "rotary_embedding": 1, "fused_qk_norm_rope": 1, "silu_and_mul": 1}
 
     def __init__(self, tokens: int, hidden: int, heads: int, kv_heads: int, head_size: int, intermediate: int,
                  dtype: torch.dtype, device: str) -> None:
         self.layer = random_norm(hidden, dtype, device)
         self.qk_norm = QKNorm(random_norm(head_size, dtype, device), random_norm(head_size, dtype, device))
         self.rope = RotaryEmbedding(head_size, MAX_POSITION, LLAMA3_ROPE).to(device)
+        self.qk_norm_rope = QKNormRoPE(self.qk_norm, self.rope)
         self.act = SiluAndMul()
         self.x, self.residual = 3 * torch.randn(2, tokens, hidden, dtype=dtype, device=device)
         self.q, self.k = fused_qkv(tokens, heads, kv_heads, head_size, dtype, device)
@@ -128,7 +130,7 @@ class EveryLayerOp:
         self.gate_up = 4 * torch.randn(tokens, 2 * intermediate, dtype=dtype, device=device)
 
     def use(self, enabled: set[str]) -> None:
-        set_custom_ops(torch.nn.ModuleList([self.layer, self.qk_norm, self.rope, self.act]), enabled)
+        set_custom_ops(torch.nn.ModuleList([self.layer, self.qk_norm, self.rope, self.qk_norm_rope, self.act]), enabled)
 
     def outputs(self) -> list[torch.Tensor]:
         return [
@@ -136,6 +138,7 @@ class EveryLayerOp:
             *self.layer(self.x, self.residual),
             *self.qk_norm(self.q, self.k),
             *self.rope(self.positions, self.q, self.k),
+            *self.qk_norm_rope(self.positions, self.q, self.k),
             self.act(self.gate_up),
         ]
 
@@ -232,6 +235,32 @@ def test_rotary_embedding_head_size_not_a_power_of_two() -> None:
         assert torch.equal(got_part, want_part)
 
 
+# Head sizes with padded halves (80, 96, 12) and head counts that are not powers of two.
+@pytest.mark.parametrize("head_size, heads, kv_heads, tokens", [(128, 4, 2, 3), (80, 3, 1, 2), (96, 5, 3, 2), (12, 6, 2, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_qk_norm_rope(dtype: torch.dtype, head_size: int, heads: int, kv_heads: int, tokens: int) -> None:
+    """The q/k norm and rotary embedding in one launch, on column slices of the fused qkv output,
+    against the two ops' PyTorch code one after the other, and against their two kernels."""
+    qk_norm = QKNorm(random_norm(head_size, dtype), random_norm(head_size, dtype))
+    rope = RotaryEmbedding(head_size, MAX_POSITION, LLAMA3_ROPE)
+    q, k = fused_qkv(tokens, heads, kv_heads, head_size, dtype)
+    positions = torch.randint(0, MAX_POSITION, (tokens,))
+    before = q.clone(), k.clone()
+    got = QKNormRoPE(qk_norm, rope).forward_triton(positions, q, k)
+    want = rope.forward_native(positions, *qk_norm.forward_native(q, k))
+    two_kernels = rope.forward_triton(positions, *qk_norm.forward_triton(q, k))
+    for got_part, want_part, two_kernels_part in zip(got, want, two_kernels, strict=True):
+        assert got_part.is_contiguous()
+        assert_matches(got_part, want_part)
+        # The same rounding as the two kernels; a power-of-two head is even the q/k norm kernel's own
+        # tile, whose variance the interpreter sums in the same order.
+        if head_size & (head_size - 1) == 0:
+            assert torch.equal(got_part, two_kernels_part)
+        else:
+            assert_matches(got_part, two_kernels_part)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
 @pytest.mark.parametrize(
     "shape", [(33, 2 * 1000), (7, 2 * 1536), (1, 2 * 64), (2, 5, 2 * 64), (3, 2 * 576), (2, 2 * 896), (1, 2 * 960)]
 )
@@ -258,20 +287,24 @@ def test_layers_dispatch_each_op_to_its_kernel(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(
     "custom_ops, kernels",
-    [(["none"], set()), (["all"], set(CUSTOM_OPS)), (["none", "+qk_norm", "+sampler"], {"qk_norm", "sampler"}),
-     (["all", "-rotary_embedding"], set(CUSTOM_OPS) - {"rotary_embedding"}), (None, set())],
+    [(["none"], set()), (["all"], set(CUSTOM_OPS) - {"qk_norm", "rotary_embedding"}),
+     (["all", "-fused_qk_norm_rope"], set(CUSTOM_OPS) - {"fused_qk_norm_rope"}),
+     (["none", "+qk_norm", "+sampler"], {"qk_norm", "sampler"}),
+     (["all", "-rotary_embedding"], set(CUSTOM_OPS) - {"rotary_embedding", "fused_qk_norm_rope"}), (None, set())],
 )
 def test_custom_ops_setting_reaches_every_layer(tmp_path, custom_ops: list[str] | None, kernels: set[str]) -> None:
     """``LLM(custom_ops=...)`` decides, once, which ops of the model and which sampler route run Triton
     (here under the interpreter): exactly the enabled ones are called, each in every layer, and the
-    default on CPU is the PyTorch code throughout."""
+    default on CPU is the PyTorch code throughout. Where the fused q/k norm and RoPE runs, the two
+    kernels it replaces do not; where it is off, either runs alone."""
     path = make_tiny_model("qwen3", tmp_path)
     with counted_kernel_calls() as calls:
         with LLM(model=str(path), device="cpu", custom_ops=custom_ops, num_blocks=16, max_model_len=64) as llm:
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0, seed=0), use_tqdm=False)
     assert set(calls) == kernels
     steps, layers = 2, 2  # a prefill and a decode, each through the tiny model's two decoder layers
-    for op, per_step in (("qk_norm", layers), ("silu_and_mul", layers), ("rotary_embedding", layers), ("sampler", 1)):
+    per_layer = ("qk_norm", "rotary_embedding", "fused_qk_norm_rope", "silu_and_mul")
+    for op, per_step in (*((op, layers) for op in per_layer), ("sampler", 1)):
         assert calls[op] == (steps * per_step if op in kernels else 0), op
 
 
@@ -279,12 +312,22 @@ def test_custom_ops_setting_reaches_every_layer(tmp_path, custom_ops: list[str] 
     "device, custom_ops, enabled",
     [("cuda", None, set(CUSTOM_OPS)), ("cuda", ["-sampler"], set(CUSTOM_OPS) - {"sampler"}),
      ("cuda", ["none", "+rms_norm"], {"rms_norm"}), ("cuda", ["none"], set()), ("cpu", None, set()),
-     ("cpu", ["-rms_norm"], set()), ("cpu", ["+silu_and_mul"], {"silu_and_mul"}), ("cpu", ["all"], set(CUSTOM_OPS))],
+     ("cpu", ["-rms_norm"], set()), ("cpu", ["+silu_and_mul"], {"silu_and_mul"}), ("cpu", ["all"], set(CUSTOM_OPS)),
+     ("cuda", ["-qk_norm"], set(CUSTOM_OPS) - {"qk_norm", "fused_qk_norm_rope"}),
+     ("cuda", ["none", "+qk_norm", "+rotary_embedding"], {"qk_norm", "rotary_embedding"}),
+     ("cpu", ["+qk_norm", "+rotary_embedding", "+fused_qk_norm_rope"], {"qk_norm", "rotary_embedding", "fused_qk_norm_rope"})],
 )
 def test_custom_ops_resolve_per_device(device: str, custom_ops: list[str] | None, enabled: set[str]) -> None:
     """The default is every op on CUDA and none elsewhere; "all" or "none" replaces it, then "+op"
-    and "-op" add and remove (the CPU cases run under the interpreter that conftest turns on)."""
+    and "-op" add and remove (the CPU cases run under the interpreter that conftest turns on). The
+    fused q/k norm and RoPE is on only where both ops it fuses are."""
     assert resolve_custom_ops(custom_ops, torch.device(device)) == enabled
+
+
+def test_a_fusion_enabled_without_the_ops_it_fuses_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"custom_ops=\['none', '\+qk_norm', '\+fused_qk_norm_rope'\] enables "
+                                         r"'fused_qk_norm_rope' without all of \['qk_norm', 'rotary_embedding'\]"):
+        resolve_custom_ops(["none", "+qk_norm", "+fused_qk_norm_rope"], torch.device("cuda"))
 
 
 def test_triton_ops_on_cpu_without_the_interpreter_are_refused(monkeypatch) -> None:
@@ -310,6 +353,9 @@ def test_empty_batch() -> None:
     q, k = fused_qkv(0, 2, 1, 64, torch.bfloat16)
     no_positions = torch.empty(0, dtype=torch.long)
     q_out, k_out = triton_ops.rotary_embedding(no_positions, q, k, rope.cos_sin_cache, 64)
+    assert q_out.shape == (0, 128) and k_out.shape == (0, 64)
+    head_norm = (layer.weight, layer.eps)
+    q_out, k_out = triton_ops.fused_qk_norm_rope(no_positions, q, k, head_norm, head_norm, rope.cos_sin_cache, 64)
     assert q_out.shape == (0, 128) and k_out.shape == (0, 64)
     assert triton_ops.silu_and_mul(torch.empty(0, 128)).shape == (0, 64)
 
@@ -339,16 +385,17 @@ class TestCuda:
         dtype, device = torch.bfloat16, "cuda"
         layer = random_norm(self.HIDDEN, dtype, device)
         rope = RotaryEmbedding(self.HEAD_SIZE, MAX_POSITION, LLAMA3_ROPE).to(device)
+        qk_norm_rope = QKNormRoPE(QKNorm(*(random_norm(self.HEAD_SIZE, dtype, device) for _ in range(2))), rope)
         x, residual = torch.randn(2, self.TOKENS, self.HIDDEN, dtype=dtype, device=device)
         q, k = fused_qkv(self.TOKENS, self.HEADS, self.KV_HEADS, self.HEAD_SIZE, dtype, device)
         positions = torch.randint(0, MAX_POSITION, (self.TOKENS,), device=device)
         gate_up = torch.randn(self.TOKENS, 2 * self.INTERMEDIATE, dtype=dtype, device=device)
         act = SiluAndMul()
-        for op in (layer, rope, act):
+        for op in (layer, rope, qk_norm_rope, act):
             op.use_triton(True)
 
         def run() -> list[torch.Tensor]:
-            return [*layer(x, residual), *rope(positions, q, k), act(gate_up)]
+            return [*layer(x, residual), *rope(positions, q, k), *qk_norm_rope(positions, q, k), act(gate_up)]
 
         run()  # compile outside the capture
         torch.cuda.synchronize()

@@ -5,6 +5,8 @@ hold the other to. ``forward_triton`` is a fused Triton kernel from ``triton_ops
 same work in one launch. ``ModelConfig.custom_ops`` says which ops take their kernel;
 ``resolve_custom_ops`` turns it into a set of op names once, for the engine's device, and
 ``set_custom_ops`` points each op's ``forward`` at its implementation, so no call decides anything.
+A fused op (``FUSED_OPS``) does the work of several ops in one kernel; it takes that kernel only
+where they all take theirs, so turning one of them off turns the fusion off too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ if HAS_TRITON:
     from micro_vllm.layers import triton_ops  # what the layers' forward_triton call
 else:  # no op is ever set to forward_triton then: resolve_custom_ops refuses to enable one
     triton_ops = None
+
+# Each fused op's name -> the ops whose kernels its one kernel replaces.
+FUSED_OPS = {"fused_qk_norm_rope": ("qk_norm", "rotary_embedding")}
 
 
 class CustomOp(nn.Module):
@@ -54,6 +59,14 @@ def resolve_custom_ops(custom_ops: Iterable[str] | None, device: torch.device) -
     enabled = set(CUSTOM_OPS) if base else set()
     enabled |= {entry[1:] for entry in custom_ops if entry.startswith("+")}
     enabled -= {entry[1:] for entry in custom_ops if entry.startswith("-")}
+    for fused, parts in FUSED_OPS.items():
+        if not enabled.issuperset(parts):
+            if f"+{fused}" in custom_ops:
+                raise ValueError(
+                    f"custom_ops={list(custom_ops)} enables {fused!r} without all of {list(parts)}, whose "
+                    "kernels it replaces; enable those too"
+                )
+            enabled.discard(fused)
     if enabled:
         check_triton_runs_on(device, f"custom_ops={list(custom_ops)} (enabling {sorted(enabled)})")
     return frozenset(enabled)

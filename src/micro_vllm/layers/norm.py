@@ -84,8 +84,12 @@ class QKNorm(CustomOp):
         )
 
     def forward_triton(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q_norm, k_norm = ((norm.weight, norm.eps) for norm in self.norms)
-        return triton_ops.qk_norm(query, key, q_norm, k_norm, self.head_size)
+        return triton_ops.qk_norm(query, key, *self.kernel_norms, self.head_size)
+
+    @property
+    def kernel_norms(self) -> tuple[tuple[torch.Tensor, float], ...]:
+        """``(weight, eps)`` of the query's norm and of the key's, as the Triton kernels take them."""
+        return tuple((norm.weight, norm.eps) for norm in self.norms)
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}"

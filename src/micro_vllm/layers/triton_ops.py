@@ -1,6 +1,7 @@
 """Fused Triton kernels for a decoder layer's elementwise work: RMSNorm (with the residual add),
-Qwen3's per-head q/k RMSNorm, rotary embedding and SiLU-and-mul, one launch each. One file, since
-every kernel follows the same rounding rule (``_round``, below) that makes it PyTorch's twin.
+Qwen3's per-head q/k RMSNorm, rotary embedding (optionally with that q/k norm in the same launch)
+and SiLU-and-mul, one launch each. One file, since every kernel follows the same rounding rule
+(``_round``, below) that makes it PyTorch's twin, and the kernels share their maths.
 
 Why: unfused, each of these ops is several tiny elementwise and reduction kernels per decoder layer
 (2 for SiLU-and-mul, up to 16 for rotary embedding), and in a large decode batch those launches take
@@ -8,10 +9,10 @@ a large share of the step's GPU time. What the kernels save is measured on the G
 (``benchmarks/throughput.py --custom-ops=none,+sampler`` against the default; the figures are in
 docs/benchmarks.md), not claimed here.
 
-Each kernel is a twin of a CustomOp's ``forward_native`` in ``norm.py``, ``rotary.py`` and
-``activation.py``, not an approximation of it: PyTorch computes every bf16/fp16 elementwise op in
-fp32 and rounds the result to the tensor's dtype, so the kernels compute in fp32 and round
-(``_round``) at exactly the points where the PyTorch code ends an op. Launches pass
+Each kernel is a twin of a CustomOp's ``forward_native`` in ``norm.py``, ``rotary.py``,
+``qk_norm_rope.py`` and ``activation.py``, not an approximation of it: PyTorch computes every
+bf16/fp16 elementwise op in fp32 and rounds the result to the tensor's dtype, so the kernels compute
+in fp32 and round (``_round``) at exactly the points where the PyTorch code ends an op. Launches pass
 ``enable_fp_fusion=False`` so a product is rounded before it is added, as it is between two PyTorch
 kernels. What can still differ is the order of the fp32 sum in RMSNorm's variance, which may move
 an output by an ulp.
@@ -57,9 +58,10 @@ def _inv_rms(sum_sq, eps, N: tl.constexpr, MEAN_BY_DIVISION: tl.constexpr):
 @triton.jit
 def _rms_norm_rows(x, weight_ptr, cols, eps, N: tl.constexpr, DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                    MEAN_BY_DIVISION: tl.constexpr):
-    """RMSNorm of each row of fp32 ``x`` [rows, BLOCK] (zeros from column ``N`` on) times the weight
-    at ``weight_ptr + cols`` (``cols``: [BLOCK]), rounded as ``RMSNorm.forward_native`` rounds: to the
-    input's ``DTYPE`` after the normalization, to ``OUT_DTYPE`` after the weight."""
+    """RMSNorm of each row of fp32 ``x`` [rows, BLOCK] times the weight at ``weight_ptr + cols``
+    (``cols``: [BLOCK], each column's channel; ``x`` is zero where it is ``N`` or more), rounded as
+    ``RMSNorm.forward_native`` rounds: to the input's ``DTYPE`` after the normalization, to
+    ``OUT_DTYPE`` after the weight."""
     inv_rms = _inv_rms(tl.sum(x * x, axis=1), eps, N, MEAN_BY_DIVISION)
     normalized = _round(x * inv_rms[:, None], DTYPE)
     weight = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -238,6 +240,13 @@ def _heads_in_out(query: torch.Tensor, key: torch.Tensor, head_size: int):
     return query, key, outs, heads
 
 
+def _check_norm_weights(query: torch.Tensor, *norms: tuple[torch.Tensor, float]) -> None:
+    # The kernels round the norm's output to the query's dtype once, which is PyTorch's result only
+    # when the weight does not promote it.
+    if any(weight.dtype != query.dtype for weight, _ in norms):
+        raise ValueError(f"the q/k norm weights must have the query's dtype {query.dtype}")
+
+
 def qk_norm(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -251,8 +260,7 @@ def qk_norm(
     The inputs may be column slices of one fused qkv tensor (any row stride); the outputs are new
     contiguous tensors, the inputs untouched.
     """
-    if any(weight.dtype != query.dtype for weight, _ in (q_norm, k_norm)):
-        raise ValueError(f"the q/k norm weights must have the query's dtype {query.dtype}")
+    _check_norm_weights(query, q_norm, k_norm)
     query, key, (query_out, key_out), heads = _heads_in_out(query, key, head_size)
     (q_weight, q_eps), (k_weight, k_eps) = q_norm, k_norm
     if query.shape[0] > 0:
@@ -277,7 +285,23 @@ def qk_norm(
     return query_out, key_out
 
 
-# --- rotary embedding -------------------------------------------------------------------------------
+# --- rotary embedding, alone or after the q/k norm --------------------------------------------------
+
+
+@triton.jit
+def _norm_halves(first, second, weight_ptr, eps, HEADS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                 HALF_PAD: tl.constexpr, DTYPE: tl.constexpr, MEAN_BY_DIVISION: tl.constexpr):
+    """RMSNorm of heads held as their halves ([HEADS_PAD, HALF_PAD] each, zero past HEAD_SIZE / 2),
+    returned as halves: in registers the halves become one tile of whole heads, a row each, for
+    ``_rms_norm_rows``, and the result is cut back. Where HEAD_SIZE is a power of two the tile is the
+    q/k norm kernel's, channel for column."""
+    half: tl.constexpr = HEAD_SIZE // 2
+    cols = tl.arange(0, 2 * HALF_PAD)
+    # Each tile column's channel; HEAD_SIZE (no channel: no weight) at the padding.
+    channels = tl.where(cols % HALF_PAD < half, cols // HALF_PAD * half + cols % HALF_PAD, HEAD_SIZE)
+    heads = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (HEADS_PAD, 2 * HALF_PAD))
+    normalized = _rms_norm_rows(heads, weight_ptr, channels, eps, HEAD_SIZE, DTYPE, DTYPE, MEAN_BY_DIVISION)
+    return tl.split(tl.permute(tl.reshape(normalized, (HEADS_PAD, 2, HALF_PAD)), (0, 2, 1)))
 
 
 @triton.jit
@@ -286,12 +310,17 @@ def _rotate_heads(
     dst_row,
     cos,
     sin,
+    weight_ptr,
+    eps,
     NUM_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    MEAN_BY_DIVISION: tl.constexpr,
 ):
-    """Rotates all heads of one token: channel i pairs with channel i + HEAD_SIZE / 2."""
+    """Rotates all heads of one token (channel i pairs with channel i + HEAD_SIZE / 2); with QK_NORM,
+    RMS-normalizes each head with the weight at ``weight_ptr`` first, in registers."""
     half: tl.constexpr = HEAD_SIZE // 2
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -300,6 +329,9 @@ def _rotate_heads(
     dtype = dst_row.dtype.element_ty
     first = tl.load(src_row + offset, mask=mask, other=0.0).to(tl.float32)
     second = tl.load(src_row + offset + half, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        first, second = _norm_halves(first, second, weight_ptr, eps, HEADS_PAD, HEAD_SIZE, HALF_PAD, dtype,
+                                     MEAN_BY_DIVISION)
     # Each product and each sum is its own rounded op in the PyTorch code.
     new_first = _round(_round(first * cos, dtype) - _round(second * sin, dtype), dtype)
     new_second = _round(_round(second * cos, dtype) + _round(first * sin, dtype), dtype)
@@ -315,6 +347,10 @@ def _rotary_kernel(
     key_ptr,
     positions_ptr,
     cos_sin_ptr,  # [max_position, HEAD_SIZE]: cos in the first half, sin in the second
+    q_weight_ptr,  # [HEAD_SIZE] (read only with QK_NORM)
+    k_weight_ptr,
+    q_eps,
+    k_eps,
     query_stride,
     key_stride,
     cos_sin_stride,
@@ -324,6 +360,8 @@ def _rotary_kernel(
     K_HEADS_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    MEAN_BY_DIVISION: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -337,12 +375,12 @@ def _rotary_kernel(
     _rotate_heads(
         query_ptr + token * query_stride,
         query_out_ptr + token * (NUM_Q_HEADS * HEAD_SIZE),
-        cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HEAD_SIZE, HALF_PAD,
+        cos, sin, q_weight_ptr, q_eps, NUM_Q_HEADS, Q_HEADS_PAD, HEAD_SIZE, HALF_PAD, QK_NORM, MEAN_BY_DIVISION,
     )
     _rotate_heads(
         key_ptr + token * key_stride,
         key_out_ptr + token * (NUM_K_HEADS * HEAD_SIZE),
-        cos, sin, NUM_K_HEADS, K_HEADS_PAD, HEAD_SIZE, HALF_PAD,
+        cos, sin, k_weight_ptr, k_eps, NUM_K_HEADS, K_HEADS_PAD, HEAD_SIZE, HALF_PAD, QK_NORM, MEAN_BY_DIVISION,
     )
 
 
@@ -358,8 +396,36 @@ def rotary_embedding(
     The inputs may be column slices of one fused qkv tensor (any row stride). Out of place, as the
     PyTorch path is, so the two paths have one contract: new contiguous tensors, inputs untouched.
     """
+    return _rotary(positions, query, key, cos_sin_cache, head_size, qk_norms=None)
+
+
+def fused_qk_norm_rope(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_norm: tuple[torch.Tensor, float],
+    k_norm: tuple[torch.Tensor, float],
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm`` and then ``rotary_embedding`` in one launch, reading q and k once and writing them
+    once, as ``QKNormRoPE.forward`` does; the arguments and outputs are theirs."""
+    _check_norm_weights(query, q_norm, k_norm)
+    return _rotary(positions, query, key, cos_sin_cache, head_size, qk_norms=(q_norm, k_norm))
+
+
+def _rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    qk_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     query, key, (query_out, key_out), heads = _heads_in_out(query, key, head_size)
     positions = positions.contiguous()  # a no-op for the runner's positions
+    # Without the norm the kernel reads no weight: any pointer will do.
+    (q_weight, q_eps), (k_weight, k_eps) = qk_norms or ((cos_sin_cache, 0.0),) * 2
     if query.shape[0] > 0:
         half_pad = triton.next_power_of_2(head_size // 2)
         _rotary_kernel[(query.shape[0],)](
@@ -369,11 +435,17 @@ def rotary_embedding(
             key,
             positions,
             cos_sin_cache,
+            q_weight,
+            k_weight,
+            q_eps,
+            k_eps,
             query.stride(0),
             key.stride(0),
             cos_sin_cache.stride(0),
             **heads,
             HALF_PAD=half_pad,
+            QK_NORM=qk_norms is not None,
+            MEAN_BY_DIVISION=query.device.type == "cpu",
             num_warps=_num_warps(heads["Q_HEADS_PAD"] * half_pad),
             enable_fp_fusion=False,
         )

@@ -19,6 +19,7 @@ from micro_vllm.attention.backends.abstract import AttentionMetadata
 from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.layers.linear import Linear, MergedLinear
 from micro_vllm.layers.norm import QKNorm, RMSNorm
+from micro_vllm.layers.qk_norm_rope import QKNormRoPE
 from micro_vllm.layers.rotary import RotaryEmbedding
 from micro_vllm.models.utils import head_size_of
 
@@ -61,15 +62,18 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.qk_norm = QKNorm(self.q_norm, self.k_norm) if qk_norm else None  # applies the two above
         self.rotary_emb = rotary_emb
+        # What the forward calls with q/k norm: the q/k norm and then RoPE, one kernel where both run theirs.
+        self.qk_norm_rope = QKNormRoPE(self.qk_norm, rotary_emb) if qk_norm else None
         self.attn = Attention(num_heads, self.head_size, num_kv_heads, self.head_size**-0.5, sliding_window)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm is not None:
-            q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm_rope is not None:
+            q, k = self.qk_norm_rope(positions, q, k)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
