@@ -476,6 +476,23 @@ def test_cuda_graphs_match_eager(family, dtype, kv_cache_dtype, model_dirs, refs
     refs.assert_same_greedy(family, DTYPES[dtype], GRAPH_PROMPTS, with_graphs, without, f"{family} graphs vs eager")
 
 
+def test_mixed_graphs_of_more_tokens_than_a_request_match_eager(model_dirs, refs):
+    """A step padded to a mixed graph of more tokens than ``max_model_len``, whose padding outgrows the
+    dummy prompt (the rest belongs to no request), gives the eager engine's tokens."""
+    prompts = _prompts([30, 35, 40, 33], seed=7)  # 138 prompt tokens: steps pad to the 256-token graph
+    settings = dict(max_model_len=64, max_num_batched_tokens=256)
+    with engine(model_dirs["llama"], **settings) as graphs:
+        replays = GraphReplays(runner_of(graphs))
+        try:
+            with_graphs = token_ids(graphs.generate(prompts, greedy(8), use_tqdm=False))
+        finally:
+            replays.restore()
+    with engine(model_dirs["llama"], enforce_eager=True, **settings) as eager:
+        without = token_ids(eager.generate(prompts, greedy(8), use_tqdm=False))
+    assert max(shape.num_tokens for _, shape in replays.replays if not shape.uniform_decode) == 256
+    refs.assert_same_greedy("llama", torch.bfloat16, prompts, with_graphs, without, "long mixed graphs vs eager")
+
+
 # -- chunked prefill and prefix caching on vs off ------------------------------------------------
 
 # Ten requests, eight of them sharing an 80-token prefix (five blocks of 16), then two unrelated.

@@ -138,9 +138,12 @@ def test_graph_shapes_cover_decodes_and_short_steps_with_prefill_chunks():
     assert graphs.shape_for(16, 32) == CudaGraphShape(64, 32)  # neither (32, 16) nor (64, 16) has a slot to spare
     assert graphs.shape_for(2, 65) == CudaGraphShape(100, 4)
     assert graphs.shape_for(2, 101) is None and graphs.shape_for(65, 65) is None
-    # The dummy prompt of a mixed graph is never longer than a request can be.
+    # Mixed graphs reach the token budget whatever the longest request; the query bound they are
+    # captured with does not exceed it.
     shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=1000, max_model_len=40)
-    assert max(s.num_tokens for s in shapes if not s.uniform_decode) == 40
+    largest = max(s for s in shapes if not s.uniform_decode)
+    assert largest.num_tokens == 1000 and largest.max_query_len(40) == 40
+    assert CudaGraphShape(32, 4).max_query_len(40) == 32 and CudaGraphShape(16, 16).max_query_len(40) == 1
     # One running request: a slot more for the dummy prompt.
     shapes = cudagraph_capture_shapes(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256)
     assert shapes == [CudaGraphShape(1, 1), CudaGraphShape(32, 2), CudaGraphShape(64, 2)]
@@ -177,28 +180,35 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
         expected = runner.model(unpadded.input_ids, unpadded.positions, unpadded.attn_metadata).clone()
         real_slots = unpadded.attn_metadata[0].common.slot_mapping.tolist()
 
-        for layer, cache in zip(layers, before):
-            layer.kv_cache.copy_(cache)
         buffers = runner.buffers
-        for buffer, stale in [(buffers.query_start_loc, 7), (buffers.seq_lens, 50), (buffers.input_ids, 5),
-                              (buffers.positions, 9), (buffers.block_tables[0], 3), (buffers.slot_mappings[0], 70)]:
-            buffer.np[:] = stale
-        shape = CudaGraphShape(32, 4)
-        assert shape.fits(2, 10)
-        monkeypatch.setattr(runner.cuda_graphs, "shape_for", lambda num_reqs, num_tokens: shape)
-        padded = runner.prepare_inputs(plan, req_ids, rows)
-        assert padded.cuda_graph_shape == shape and padded.num_tokens == 10
-        common = padded.attn_metadata[0].common
-        assert padded.input_ids.shape[0] == 32 and common.num_reqs == 4 and common.max_query_len == 32
-        # Slot 2 has no query; the dummy prompt in slot 3 takes the 22 padding tokens over the null block.
-        assert common.query_start_loc.tolist() == [0, 1, 10, 10, 32] and common.seq_lens.tolist() == [6, 9, 0, 22]
-        assert common.block_table[3, :2].tolist() == [0, 0] and (common.slot_mapping[10:] == -1).all()
-        hidden = runner.model(padded.input_ids, padded.positions, padded.attn_metadata)
+        # (32, 4): slot 2 has no query; the dummy prompt in slot 3 takes the 22 padding tokens over
+        # the null block. (128, 4): the dummy prompt takes max_model_len (64) of the 118 padding
+        # tokens, all its block-table row reaches; the 54 after it belong to no request.
+        for shape, max_query_len, query_start_loc, seq_lens in [
+            (CudaGraphShape(32, 4), 32, [0, 1, 10, 10, 32], [6, 9, 0, 22]),
+            (CudaGraphShape(128, 4), 64, [0, 1, 10, 10, 74], [6, 9, 0, 64]),
+        ]:
+            for layer, cache in zip(layers, before):
+                layer.kv_cache.copy_(cache)
+            for buffer, stale in [(buffers.query_start_loc, 7), (buffers.seq_lens, 50), (buffers.input_ids, 5),
+                                  (buffers.positions, 9), (buffers.block_tables[0], 3),
+                                  (buffers.slot_mappings[0], 70)]:
+                buffer.np[:] = stale
+            assert shape.fits(2, 10)
+            monkeypatch.setattr(runner.cuda_graphs, "shape_for", lambda num_reqs, num_tokens, shape=shape: shape)
+            padded = runner.prepare_inputs(plan, req_ids, rows)
+            assert padded.cuda_graph_shape == shape and padded.num_tokens == 10
+            common = padded.attn_metadata[0].common
+            assert padded.input_ids.shape[0] == shape.num_tokens and common.num_reqs == 4
+            assert common.max_query_len == max_query_len
+            assert common.query_start_loc.tolist() == query_start_loc and common.seq_lens.tolist() == seq_lens
+            assert (common.block_table[3] == 0).all() and (common.slot_mapping[10:] == -1).all()
+            hidden = runner.model(padded.input_ids, padded.positions, padded.attn_metadata)
 
-        torch.testing.assert_close(hidden[:10], expected)
-        for layer, cache in zip(layers, before):
-            written = (layer.kv_cache != cache).flatten(3).any(dim=3).any(dim=0).flatten()  # per slot
-            assert torch.nonzero(written).flatten().tolist() == sorted(real_slots)
+            torch.testing.assert_close(hidden[:10], expected)
+            for layer, cache in zip(layers, before):
+                written = (layer.kv_cache != cache).flatten(3).any(dim=3).any(dim=0).flatten()  # per slot
+                assert torch.nonzero(written).flatten().tolist() == sorted(real_slots)
 
 
 def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_path):

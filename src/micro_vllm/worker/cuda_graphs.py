@@ -4,7 +4,8 @@ that fits a step into a captured shape, their capture, and replay.
 Two kinds of shape: decode batches (one token per request) up to ``MAX_CUDA_GRAPH_BATCH`` requests,
 and steps with prefill chunks (alone or mixed with decodes) up to ``MAX_MIXED_GRAPH_TOKENS`` tokens.
 Launching a step's few hundred kernels from Python takes about as long as the GPU work of a
-several-thousand-token prefill of a small model, so graphs pay well past short steps.
+several-thousand-token prefill of a small model, and on a slower host longer, so graphs pay up to
+the default token budget.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from micro_vllm.worker.input_buffers import InputBuffers
 logger = logging.getLogger(__name__)
 
 MAX_CUDA_GRAPH_BATCH = 512  # larger decode batches run eagerly
-MAX_MIXED_GRAPH_TOKENS = 8192  # larger steps with prefill chunks run eagerly
+MAX_MIXED_GRAPH_TOKENS = 16384  # larger steps with prefill chunks run eagerly
 # The smallest decode graph: fewer requests pad up to it, since cuBLAS's kernels for one- to
 # few-row matmuls are slower on Hopper than its kernels for eight rows.
 MIN_DECODE_GRAPH_BATCH = 8
@@ -39,9 +40,10 @@ class CudaGraphShape:
     """The step a graph was captured for (vLLM: BatchDescriptor): its tokens and request slots.
 
     Equal counts make a decode graph: one query per request, the attention's decode path. Otherwise
-    the graph serves steps with prefill chunks: its metadata states ``num_tokens`` as the longest
-    query, a bound every step it serves meets, so the attention takes its general path (prefill
-    tiles, grid from tokens and requests alone) and one graph serves any mix of query lengths."""
+    the graph serves steps with prefill chunks: its metadata states a bound on the longest query that
+    every step it serves meets (``max_query_len``), so the attention takes its general path
+    (prefill tiles, grid from tokens and requests alone) and one graph serves any mix of query
+    lengths."""
 
     num_tokens: int
     num_reqs: int
@@ -50,9 +52,11 @@ class CudaGraphShape:
     def uniform_decode(self) -> bool:
         return self.num_tokens == self.num_reqs
 
-    @property
-    def max_query_len(self) -> int:
-        return 1 if self.uniform_decode else self.num_tokens
+    def max_query_len(self, max_model_len: int) -> int:
+        """The longest query the graph is captured for: 1 for a decode batch; for a step with prefill
+        chunks its token count, or ``max_model_len`` when that is less (no query is longer), so a
+        long step of short prompts keeps the attention tiles of prompts of that length."""
+        return 1 if self.uniform_decode else min(self.num_tokens, max_model_len)
 
     def fits(self, num_reqs: int, num_tokens: int) -> bool:
         """Whether a step of this many requests and tokens pads to this shape: a decode batch to a
@@ -73,8 +77,8 @@ def cudagraph_capture_shapes(max_num_seqs: int, max_num_batched_tokens: int,
     shapes = [CudaGraphShape(size, size) for size in sorted(sizes)]
     # A mixed step has more tokens than requests; one needing more than half its token count in
     # slots (its requests and the padding's dummy, one slot past max_num_seqs at most) fits the next
-    # token count up. The dummy prompt must fit a block-table row.
-    token_limit = min(max_num_batched_tokens, max_model_len, MAX_MIXED_GRAPH_TOKENS)
+    # token count up.
+    token_limit = min(max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS)
     token_counts = {token_limit} if token_limit >= MIN_MIXED_GRAPH_TOKENS else set()
     num_tokens = MIN_MIXED_GRAPH_TOKENS
     while num_tokens < token_limit:
@@ -103,12 +107,15 @@ def pad_decode_batch(buffers: InputBuffers, num_reqs: int, size: int) -> None:
 def pad_mixed_batch(buffers: InputBuffers, num_reqs: int, num_tokens: int, shape: CudaGraphShape) -> None:
     """Stage a step with prefill chunks as ``shape``: its padding tokens form a dummy prompt in the
     last request slot, which reads only the null block and writes nowhere, and the slots between
-    hold requests without a query, which the attention skips."""
+    hold requests without a query, which the attention skips. The dummy prompt is at most
+    ``max_model_len`` tokens long, all a block-table row reaches; padding tokens past it belong to no
+    request, so the attention leaves their rows alone, and every other op works row by row."""
     last = shape.num_reqs - 1
+    dummy_len = min(shape.num_tokens - num_tokens, buffers.max_model_len)
     buffers.query_start_loc.np[num_reqs : shape.num_reqs] = num_tokens
-    buffers.query_start_loc.np[shape.num_reqs] = shape.num_tokens
+    buffers.query_start_loc.np[shape.num_reqs] = num_tokens + dummy_len
     buffers.seq_lens.np[num_reqs:last] = 0
-    buffers.seq_lens.np[last] = shape.num_tokens - num_tokens
+    buffers.seq_lens.np[last] = dummy_len
     buffers.input_ids.np[num_tokens : shape.num_tokens] = 0
     buffers.positions.np[num_tokens : shape.num_tokens] = 0
     for block_table, slot_mapping in zip(buffers.block_tables, buffers.slot_mappings):
@@ -143,8 +150,10 @@ class CudaGraphs:
         pool = None
         for shape in sorted(shapes, reverse=True):
             pad_batch(buffers, 0, 0, shape)
-            metadata = buffers.attention_metadata(shape.num_reqs, shape.num_tokens, shape.max_query_len,
-                                                  max_model_len, num_cols=buffers.num_cols(shape.num_tokens))
+            metadata = buffers.attention_metadata(
+                shape.num_reqs, shape.num_tokens, shape.max_query_len(max_model_len), max_model_len,
+                num_cols=buffers.num_cols(min(shape.num_tokens, max_model_len)),
+            )
             args = (buffers.input_ids.copy_to_device(shape.num_tokens),
                     buffers.positions.copy_to_device(shape.num_tokens), metadata)
             model(*args)  # warm-up: compiles kernels outside the capture

@@ -21,6 +21,7 @@ class InputBuffers:
                  max_num_reqs: int, max_num_tokens: int, max_model_len: int, block_size: int,
                  device: torch.device) -> None:
         self.block_size = block_size
+        self.max_model_len = max_model_len
         max_blocks = self.num_cols(max_model_len)
         staged = lambda *shape, dtype=torch.int32: CpuGpuBuffer(shape, dtype, device)  # noqa: E731
         self.input_ids = staged(max_num_tokens, dtype=torch.int64)

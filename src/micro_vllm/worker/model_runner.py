@@ -401,7 +401,7 @@ class ModelRunner:
             pad_batch(buffers, num_reqs, num_tokens, graph_shape)
             padded_reqs, padded_tokens = graph_shape.num_reqs, graph_shape.num_tokens
             # The metadata the graph was captured with, and the dummy requests' contexts.
-            max_query_len = graph_shape.max_query_len
+            max_query_len = graph_shape.max_query_len(self.settings.max_model_len)
             max_seq_len = int(buffers.seq_lens.np[:padded_reqs].max())
             num_cols = buffers.num_cols(max_seq_len)
         inputs = StepInputs(

@@ -80,8 +80,8 @@ from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 _MAX_SPLITS = 16
 _MIN_SPLIT_KEYS = 512
 # Steps whose longest query has at least this many tokens take the long-prefill tiles (_pick_tiles).
-# A mixed-step CUDA graph states its token count as its longest query, so the 8,192-token one takes
-# them too, whatever the prompts it replays.
+# A mixed-step CUDA graph states its token count (at most max_model_len) as its longest query, so
+# graphs of that many tokens take them too, whatever the prompts they replay.
 _LONG_QUERY = 6144
 _MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension, where the query blocks are
 # A program holds a [BLOCK_M, head size] fp32 accumulator and K/V tiles of the head size: past 256
