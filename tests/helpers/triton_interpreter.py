@@ -27,11 +27,13 @@ def patch_triton_interpreter() -> None:
     * ``libdevice`` functions are device code, which it cannot call: ``libdevice.exp`` (the kernels'
       ``expf``) becomes ``tl.exp``, which the interpreter computes with numpy in fp32.
 
-    And two for speed: every call of a ``@triton.jit`` helper inside a kernel patches the language
+    And three for speed: every call of a ``@triton.jit`` helper inside a kernel patches the language
     modules again, the very patches the launch made (a scan of every member of ``triton.language``),
     which took a third of the sampler's and the attention's interpreted time. Within a launch they
-    are made once per module. And the ten Philox rounds behind ``tl.rand`` (over a hundred
-    interpreted operations a call, half of the sampler's interpreted time) run as numpy arrays.
+    are made once per module. The ten Philox rounds behind ``tl.rand`` (over a hundred interpreted
+    operations a call, half of the sampler's interpreted time) run as numpy arrays. And the numpy
+    dtype that holds a Triton type's values, which every interpreted operation asks for and the
+    interpreter worked out anew each time from a table it built for the call, is kept per type.
 
     Each patch applies once, to the interpreter only, and is harmless once fixed upstream.
     """
@@ -42,6 +44,7 @@ def patch_triton_interpreter() -> None:
     _patch_once(libdevice, "exp", lambda original: lambda x: tl.exp(x))
     _patch_once(interpreter, "_patch_lang", _patch_languages_once_per_launch)
     _patch_once(tl_random, "philox_impl", _philox_rounds_in_numpy)
+    _patch_once(interpreter, "_get_np_dtype", _np_dtype_per_element_type)
 
 
 def _patch_once(owner, name: str, make_patch) -> None:
@@ -159,5 +162,18 @@ def _philox_rounds_in_numpy(philox_impl):
         result_type = tl.block_type(tl.uint32, list(shape)) if shape else tl.uint32
         return tuple(tl.tensor(interpreter.TensorHandle(np.broadcast_to(x, shape or x.shape).astype(np.uint32),
                                                         tl.uint32), result_type) for x in (c0, c1, c2, c3))
+
+    return patch
+
+
+def _np_dtype_per_element_type(get_np_dtype):
+    # A block's values are held as its element type's; pointer types (unhashable) are all uint64.
+    per_element_type = functools.cache(get_np_dtype)
+
+    def patch(tt_dtype):
+        element_type = tt_dtype.scalar
+        if isinstance(element_type, tl.pointer_type):
+            return get_np_dtype(element_type)
+        return per_element_type(element_type)
 
     return patch
