@@ -9,6 +9,13 @@ import torch
 # interpreter's deviations from the compiled kernels before any kernel runs.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread on CPU, in this process and the processes the tests start (examples, the CLI,
+# servers, engine processes): the tests' tensors are small, and on a 2-core machine where another
+# process holds a core, a second OpenMP thread waits at every barrier for a core, spinning meanwhile.
+# OMP_NUM_THREADS set by hand wins.
+if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
     from helpers.triton_interpreter import patch_triton_interpreter
 

@@ -4,9 +4,12 @@ kernels never see them."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton.language as tl
+from triton.language import random as tl_random
 from triton.language.extra import libdevice
 from triton.runtime import interpreter
 
@@ -24,10 +27,13 @@ def patch_triton_interpreter() -> None:
     * ``libdevice`` functions are device code, which it cannot call: ``libdevice.exp`` (the kernels'
       ``expf``) becomes ``tl.exp``, which the interpreter computes with numpy in fp32.
 
-    And one for speed: every call of a ``@triton.jit`` helper inside a kernel patches the language
+    And three for speed: every call of a ``@triton.jit`` helper inside a kernel patches the language
     modules again, the very patches the launch made (a scan of every member of ``triton.language``),
     which took a third of the sampler's and the attention's interpreted time. Within a launch they
-    are made once per module.
+    are made once per module. The ten Philox rounds behind ``tl.rand`` (over a hundred interpreted
+    operations a call, half of the sampler's interpreted time) run as numpy arrays. And the numpy
+    dtype that holds a Triton type's values, which every interpreted operation asks for and the
+    interpreter worked out anew each time from a table it built for the call, is kept per type.
 
     Each patch applies once, to the interpreter only, and is harmless once fixed upstream.
     """
@@ -37,6 +43,8 @@ def patch_triton_interpreter() -> None:
     _patch_once(interpreter.InterpreterBuilder, "create_fp_to_fp", _convert_fp8_as_torch)
     _patch_once(libdevice, "exp", lambda original: lambda x: tl.exp(x))
     _patch_once(interpreter, "_patch_lang", _patch_languages_once_per_launch)
+    _patch_once(tl_random, "philox_impl", _philox_rounds_in_numpy)
+    _patch_once(interpreter, "_get_np_dtype", _np_dtype_per_element_type)
 
 
 def _patch_once(owner, name: str, make_patch) -> None:
@@ -130,5 +138,42 @@ def _patch_languages_once_per_launch(patch_lang):
 
             scope.restore = restore_and_forget
         return scope
+
+    return patch
+
+
+def _philox_rounds_in_numpy(philox_impl):
+    # Philox4x32-10 as Triton's philox_impl computes it: 32-bit products are exact in uint64, their
+    # high and low halves are umulhi and the wrapping product. 64-bit counters keep the interpreted rounds.
+    round_a, round_b, key_a, key_b, low = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+
+    @functools.wraps(philox_impl)
+    def patch(c0, c1, c2, c3, k0, k1, n_rounds=tl_random.N_ROUNDS_DEFAULT):
+        if c0.dtype != tl.uint32:
+            return philox_impl(c0, c1, c2, c3, k0, k1, n_rounds)
+        operands = (c0, c1, c2, c3, k0, k1)
+        shape = np.broadcast_shapes(*(tuple(tl.core._unwrap_if_constexpr(d) for d in x.shape) for x in operands))
+        c0, c1, c2, c3, k0, k1 = (np.asarray(x.handle.data, dtype=np.uint64) for x in operands)
+        for _ in range(tl.core._unwrap_if_constexpr(n_rounds)):
+            product_a, product_b = round_a * c0, round_b * c2
+            c0, c1, c2, c3 = (product_b >> 32) ^ c1 ^ k0, product_b & low, (product_a >> 32) ^ c3 ^ k1, product_a & low
+            k0, k1 = (k0 + key_a) & low, (k1 + key_b) & low
+        # A scalar stays the interpreter's 1-element array; a block takes the operands' broadcast shape.
+        result_type = tl.block_type(tl.uint32, list(shape)) if shape else tl.uint32
+        return tuple(tl.tensor(interpreter.TensorHandle(np.broadcast_to(x, shape or x.shape).astype(np.uint32),
+                                                        tl.uint32), result_type) for x in (c0, c1, c2, c3))
+
+    return patch
+
+
+def _np_dtype_per_element_type(get_np_dtype):
+    # A block's values are held as its element type's; pointer types (unhashable) are all uint64.
+    per_element_type = functools.cache(get_np_dtype)
+
+    def patch(tt_dtype):
+        element_type = tt_dtype.scalar
+        if isinstance(element_type, tl.pointer_type):
+            return get_np_dtype(element_type)
+        return per_element_type(element_type)
 
     return patch
