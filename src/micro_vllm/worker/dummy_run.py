@@ -1,6 +1,6 @@
 """The start-up runs, apart from the step path: the profiling run that measures peak activation
-memory and the warm-up that compiles kernels, both as dummy steps that read the null block and write
-nowhere."""
+memory, the warm-up that compiles kernels, and the one that leaves the allocators ready for serving,
+all as dummy steps that read the null block and write nowhere."""
 
 from __future__ import annotations
 
@@ -49,6 +49,23 @@ def warm_up(runner: ModelRunner) -> None:
                                           settings.max_model_len))
     dummy_step(runner, np.array([min(settings.max_num_batched_tokens, settings.max_model_len)], np.int32))
     dummy_step(runner, np.full(min(settings.max_num_seqs, settings.max_num_batched_tokens // 2, 8), 2, np.int32))
+
+
+@torch.inference_mode()
+def warm_up_allocators(runner: ModelRunner) -> None:
+    """Leave both CUDA allocators holding what a step allocates outside its CUDA graph (the logits,
+    the sampler's buffers, the pinned host copy of the sampled tokens), run after the graphs are
+    captured, since each capture empties the device allocator's cache. A device (``cudaMalloc``) or
+    pinned host (``cudaHostAlloc``) allocation that the caches cannot serve waits for the GPU, so a
+    step meeting a new batch size would otherwise wait for the step running before it to finish,
+    and lose async scheduling's overlap. The largest sampling batch, sampled once, leaves device
+    blocks that serve every smaller one; the pinned cache gets two blocks of each sampled-token copy
+    size, for the copies of the two steps alive at once under async scheduling."""
+    max_num_seqs = runner.settings.max_num_seqs
+    dummy_step(runner, np.ones(max_num_seqs, np.int32))
+    for num_reqs in range(1, max_num_seqs + 1):
+        copies = [torch.empty(num_reqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        del copies  # back to the cache, which keeps them
 
 
 def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:

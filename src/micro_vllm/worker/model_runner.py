@@ -27,7 +27,7 @@ from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gath
 from micro_vllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, max_top_k
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, copy_to_host
 from micro_vllm.worker.cuda_graphs import CudaGraphs, CudaGraphShape, cudagraph_capture_shapes, pad_batch
-from micro_vllm.worker.dummy_run import warm_up
+from micro_vllm.worker.dummy_run import warm_up, warm_up_allocators
 from micro_vllm.worker.input_batch import InputBatch
 from micro_vllm.worker.input_buffers import InputBuffers
 
@@ -201,7 +201,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         """Allocate each layer's paged K/V tensor, the persistent batch and the step buffers; then
-        (on CUDA) warm up and capture CUDA graphs."""
+        (on CUDA) warm up, capture CUDA graphs and warm up the allocators for serving."""
         settings = self.settings
         layers = self.model.attention_layers()
         for layer in layers:
@@ -239,6 +239,8 @@ class ModelRunner:
             shapes = cudagraph_capture_shapes(settings.max_num_seqs, settings.max_num_batched_tokens,
                                               settings.max_model_len)
             self.cuda_graphs.capture(self.model, self.buffers, shapes, settings.max_model_len)
+        if self.device.type == "cuda":
+            warm_up_allocators(self)
 
     # -- one step ------------------------------------------------------------------------------
 
