@@ -59,12 +59,14 @@ def warm_up_allocators(runner: ModelRunner) -> None:
     pinned host (``cudaHostAlloc``) allocation that the caches cannot serve waits for the GPU, so a
     step meeting a new batch size would otherwise wait for the step running before it to finish,
     and lose async scheduling's overlap. The largest sampling batch, sampled once, leaves device
-    blocks that serve every smaller one; the pinned cache gets two blocks of each sampled-token copy
-    size, for the copies of the two steps alive at once under async scheduling."""
+    blocks that serve every smaller one. The pinned cache gets three blocks of each sampled-token
+    copy size: under async scheduling a new step's copy is made while the step before it is in
+    flight, and the copy freed just before it is reusable only once the GPU has passed the point
+    where it was freed, that is after the step in flight."""
     max_num_seqs = runner.settings.max_num_seqs
     dummy_step(runner, np.ones(max_num_seqs, np.int32))
     for num_reqs in range(1, max_num_seqs + 1):
-        copies = [torch.empty(num_reqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        copies = [torch.empty(num_reqs, dtype=torch.int64, pin_memory=True) for _ in range(3)]
         del copies  # back to the cache, which keeps them
 
 
