@@ -6,7 +6,10 @@ All requests of a batch arrive at once; TTFT is measured from their arrival to t
 produced their first token, TPOT over the rest of their tokens. Figures are medians over the batch.
 The first run of the batch sizes is the one ``../shared/peers``' vLLM side repeats; ``--repeat`` runs
 them again on other prompts (none served from the prefix cache), which shows whether the first
-steps of a process are slower than later ones.
+steps of a process are slower than later ones. Each run also prints the wall time of its first
+steps (``Engine.step``; with async scheduling a step returns before its own GPU work is done) and, on
+CUDA, how many device (``cudaMalloc``) and pinned host (``cudaHostAlloc``) allocations the caching
+allocators made during it: either waits for the GPU.
 ``--profile`` then shows where a batch's time goes (one request unless BATCH is given): the kernels of
 its prefill step and of 20 of its decode steps (torch.profiler), each with the GPU's busy time against
 the steps' wall time.
@@ -20,6 +23,7 @@ import random
 import statistics
 import time
 
+import torch
 from bench_model import build_random_model
 from throughput import gpu_busy, sync
 from micro_vllm import LLM, RequestOutputKind, SamplingParams
@@ -30,18 +34,22 @@ def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int, run: in
     rng = random.Random(batch_size if run == 0 else f"{batch_size}-{run}")
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
+    top_id = min(10000, engine.vocab_size - 1)  # the recipe's ids, within a small test model's vocabulary
     requests = [
-        engine.make_request(f"latency-{batch_size}-{run}-{i}", [rng.randint(0, 10000) for _ in range(prompt_len)],
+        engine.make_request(f"latency-{batch_size}-{run}-{i}", [rng.randint(0, top_id) for _ in range(prompt_len)],
                             params)
         for i in range(batch_size)
     ]
-    first_token, finished = {}, {}
+    first_token, finished, step_ms = {}, {}, []
+    allocations_before = allocations()
     start = time.perf_counter()
     for request in requests:
         engine.add_request(request)
     while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
         done = engine.step()
         now = time.perf_counter()  # step() returns after the sampled tokens reached the host
+        step_ms.append(1000 * (now - step_start))
         for request in requests:
             if request.request_id not in first_token and request.num_output_tokens > 0:
                 first_token[request.request_id] = now - start
@@ -49,8 +57,20 @@ def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int, run: in
             finished[output.request_id] = now - start
     ttft = [first_token[r.request_id] for r in requests]
     tpot = [(finished[r.request_id] - first_token[r.request_id]) / (output_len - 1) for r in requests]
+    device_allocs, pinned_allocs = (after - before for after, before in zip(allocations(), allocations_before))
     return {"batch_size": batch_size, "run": run, "ttft_ms": 1000 * statistics.median(ttft),
-            "tpot_ms": 1000 * statistics.median(tpot)}
+            "tpot_ms": 1000 * statistics.median(tpot), "first_steps_ms": [round(ms, 1) for ms in step_ms[:4]],
+            "device_allocs": device_allocs, "pinned_allocs": pinned_allocs}
+
+
+def allocations() -> tuple[int, int]:
+    """How many device and pinned host allocations PyTorch's caching allocators have made so far (0, 0
+    without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0, 0
+    host = torch.cuda.host_memory_stats()
+    return (torch.cuda.memory_stats().get("num_device_alloc", 0),
+            host["num_host_alloc"] if "num_host_alloc" in host else host.get("allocations.allocated", 0))
 
 
 def profile_batch(llm: LLM, batch_size: int, prompt_len: int, decode_steps: int = 20) -> None:
@@ -104,7 +124,9 @@ def main() -> None:
         for batch_size in args.batch_sizes:
             row = measure(llm, batch_size, args.prompt_len, args.output_len, run)
             rows.append(row)
-            print(f"run {run + 1}, batch {batch_size:3d}: TTFT {row['ttft_ms']:8.1f} ms   TPOT {row['tpot_ms']:6.2f} ms")
+            print(f"run {run + 1}, batch {batch_size:3d}: TTFT {row['ttft_ms']:8.1f} ms   TPOT {row['tpot_ms']:6.2f} ms   "
+                  f"first steps {row['first_steps_ms']} ms   allocations: device {row['device_allocs']}, "
+                  f"pinned {row['pinned_allocs']}")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"benchmark": "latency", **vars(args), "rows": rows}) + "\n")

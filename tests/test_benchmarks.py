@@ -71,6 +71,21 @@ def test_every_timed_run_starts_from_an_empty_prefix_cache(tmp_path):
     assert [throughput.run_micro_vllm(llm, shared, [2, 2, 2], temperature=0.6)[2] for _ in range(2)] == [64, 64]
 
 
+def test_latency_times_each_batch_and_its_first_steps(tmp_path):
+    """latency.py's measurement: TTFT and TPOT of a batch from its own steps, the wall time of its
+    first steps, and no allocation counted without CUDA."""
+    import latency
+
+    llm = LLM(model=str(make_tiny_model("qwen3", tmp_path)), device="cpu", max_model_len=128, block_size=16,
+              max_num_batched_tokens=32)
+    row = latency.measure(llm, batch_size=3, prompt_len=20, output_len=4)
+    # 60 prompt tokens over a 32-token budget: two prefill steps, then the decodes.
+    assert len(row["first_steps_ms"]) == 4 and all(ms > 0 for ms in row["first_steps_ms"])
+    assert 0 < row["tpot_ms"] and sum(row["first_steps_ms"][:2]) <= row["ttft_ms"] + 1e-6
+    assert (row["device_allocs"], row["pinned_allocs"]) == (0, 0)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_sampling_params_option_reaches_every_request(tmp_path):
     """``--sampling-params`` JSON is merged over the recipe's SamplingParams; anything but a JSON
     object is refused by the parser."""

@@ -293,30 +293,24 @@ def test_serving_compiles_no_triton_kernel(model_dirs):
             assert triton_compilations() == compiled, f"{family}: serving compiled Triton kernels"
 
 
-def _allocations() -> tuple[int, int]:
-    """How many device (cudaMalloc) and pinned host (cudaHostAlloc) allocations the caching
-    allocators have made so far."""
-    host = torch.cuda.host_memory_stats()
-    return (torch.cuda.memory_stats()["num_device_alloc"],
-            host["num_host_alloc"] if "num_host_alloc" in host else host["allocations.allocated"])
-
-
 def test_serving_allocates_no_memory(model_dirs):
     """After start-up, steps of any batch size, greedy or with top-k / top-p, allocate no device and no
     pinned host memory: either allocation waits for the GPU, so a step meeting a new batch size would
     wait for the step before it. The device allocator's cache is emptied by each graph capture and the
     pinned one is emptied here, so only the engine's own start-up can have filled them."""
+    from latency import allocations
+
     empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache
     empty_host_cache()
     with engine(model_dirs["qwen3"]) as llm:
-        before = _allocations()
+        before = allocations()
         prompts = _prompts(list(range(5, 5 + 6 * MAX_NUM_SEQS, 6)), seed=8)
         filters = [dict(top_k=20, top_p=0.9), dict(top_p=0.9), {}]  # each route a sampling batch can take
         params = [SamplingParams(max_tokens=2 + i, temperature=0.8, ignore_eos=True, **filters[i % 3])
                   for i in range(len(prompts))]
         llm.generate(prompts, params, use_tqdm=False)
         llm.generate(prompts[:5], greedy(9), use_tqdm=False)
-        assert _allocations() == before, "serving allocated memory after start-up"
+        assert allocations() == before, "serving allocated memory after start-up"
 
 
 # -- fp32: identical to transformers -----------------------------------------------------------
