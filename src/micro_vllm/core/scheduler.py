@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 
@@ -47,6 +48,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is preempted first
         # The running requests' counters as arrays, for steps in which all of them decode.
         self.table = RunningTable()
+        # The plan's parts for a step in which every running request decodes, kept while the same
+        # requests run (``_decode_batch``).
+        self.all_decodes: DecodeBatch | None = None
         # Per planned step whose output is not applied yet, oldest first: the table's version then and
         # the table rows it decoded, or None when it was planned request by request.
         self.planned_rows: deque[tuple[int, np.ndarray | None]] = deque()
@@ -148,9 +152,8 @@ class Scheduler:
                 self.table.invalidate(reordered=False)
         plan = SchedulerOutput(
             scheduled_new_reqs=tuple(step.new_reqs),
-            scheduled_cached_reqs=CachedRequestData(tuple(step.cached_req_ids), tuple(step.cached_new_block_ids),
-                                                    tuple(step.cached_num_computed_tokens)),
-            num_scheduled_tokens=step.num_scheduled,
+            scheduled_cached_reqs=step.cached_reqs(),
+            num_scheduled_tokens=step.scheduled_tokens(),
             total_num_scheduled_tokens=step.num_tokens,
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=frozenset(r.request_id for r in step.preempted),
@@ -178,7 +181,8 @@ class Scheduler:
         (nothing when taken between steps)."""
         kv = self.kv_cache_manager
         step = step or _StepBuilder(0)
-        num_decode_tokens = len(step.decode_req_ids)
+        decode_req_ids = step.planned_decode_req_ids()
+        num_decode_tokens = len(decode_req_ids)
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -187,7 +191,7 @@ class Scheduler:
             kv_cached_blocks=kv.num_cached_blocks,
             num_prefill_tokens=step.num_tokens - num_decode_tokens,
             num_decode_tokens=num_decode_tokens,
-            decode_req_ids=frozenset(step.decode_req_ids),
+            decode_req_ids=decode_req_ids,
             prefix_cache_stats=PrefixCacheStats(step.prefix_cache_queries, step.prefix_cache_hits),
             num_preempted_reqs=len(step.preempted),
         )
@@ -269,9 +273,22 @@ class Scheduler:
             request.num_computed_tokens += 1
             request.num_output_placeholders += 1
         # A one-token step that computes a prompt's last token is no decode.
-        step.add_decodes([r.request_id for r in requests], new_block_ids, num_computed.tolist(),
-                         num_computed >= table.num_prompt_tokens[rows])
+        is_decode = num_computed >= table.num_prompt_tokens[rows]
+        step.add_decodes(self._decode_batch(requests, is_decode), new_block_ids, num_computed.tolist())
         return rows
+
+    def _decode_batch(self, requests: list[Request], is_decode: np.ndarray) -> DecodeBatch:
+        """``requests``, planned one token each, as a ``DecodeBatch`` (``is_decode``: which of them
+        decode). When they are all the running requests and all decode, the same one serves every
+        step until the running requests change."""
+        table = self.table
+        # As many as the table's rows are all of them: a preemption shortens the running list, not the table.
+        if len(requests) == len(table.req_ids) and is_decode.all():
+            if self.all_decodes is None or self.all_decodes.req_ids is not table.req_ids:
+                self.all_decodes = DecodeBatch(table.req_ids, table.req_ids)
+            return self.all_decodes
+        req_ids = tuple(r.request_id for r in requests)
+        return DecodeBatch(req_ids, [req_ids[i] for i in np.flatnonzero(is_decode).tolist()])
 
     def _running_at(self, rows: np.ndarray) -> list[Request]:
         """The running requests at table ``rows``, which are in running order: as many rows as there
@@ -500,16 +517,32 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
 
 
+class DecodeBatch:
+    """Requests that compute one token each as a step's first requests, with the parts of the plan
+    and of the stats that list them. Plans never mutate these, so the steps that plan the same
+    requests share one."""
+
+    __slots__ = ("req_ids", "num_scheduled_tokens", "decode_req_ids")
+
+    def __init__(self, req_ids: tuple[str, ...], decode_req_ids: Iterable[str]) -> None:
+        self.req_ids = req_ids
+        self.num_scheduled_tokens = MappingProxyType(dict.fromkeys(req_ids, 1))
+        self.decode_req_ids = frozenset(decode_req_ids)  # the others compute a prompt's last token
+
+
 class _StepBuilder:
     """What one ``schedule()`` call has decided so far; frozen into the plan at the end."""
 
-    __slots__ = ("budget", "num_tokens", "num_scheduled", "new_reqs", "cached_req_ids", "cached_new_block_ids",
-                 "cached_num_computed_tokens", "preempted", "decode_req_ids", "structured_output_requests",
-                 "prefix_cache_queries", "prefix_cache_hits", "chunks_left")
+    __slots__ = ("budget", "num_tokens", "decodes", "num_scheduled", "new_reqs", "cached_req_ids",
+                 "cached_new_block_ids", "cached_num_computed_tokens", "preempted", "decode_req_ids",
+                 "structured_output_requests", "prefix_cache_queries", "prefix_cache_hits", "chunks_left")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens still free under max_num_batched_tokens
         self.num_tokens = 0  # tokens scheduled
+        # The step's first requests when they are planned at once (``add_decodes``); the request ids
+        # below are those of the requests planned one at a time (``add``).
+        self.decodes: DecodeBatch | None = None
         self.num_scheduled: dict[str, int] = {}
         self.new_reqs: list[NewRequestData] = []
         # The requests the runner holds, as the plan's CachedRequestData lists them.
@@ -522,17 +555,15 @@ class _StepBuilder:
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, of the requests admitted
         self.chunks_left = False  # a request planned here has known tokens left to compute
 
-    def add_decodes(self, req_ids: list[str], new_block_ids: list[BlockIds | None], num_computed: list[int],
-                    is_decode: np.ndarray) -> None:
-        """Schedule one token of each of ``req_ids``, which the runner holds, as the step's first
-        requests; the caller has counted them as computed and their placeholders."""
-        self.cached_req_ids += req_ids
+    def add_decodes(self, decodes: DecodeBatch, new_block_ids: list[BlockIds | None], num_computed: list[int]) -> None:
+        """Schedule one token of each of ``decodes``, which the runner holds, as the step's first
+        requests and its only cached ones; the caller has counted them as computed and their
+        placeholders."""
+        self.decodes = decodes
         self.cached_new_block_ids += new_block_ids
         self.cached_num_computed_tokens += num_computed
-        self.num_scheduled = dict.fromkeys(req_ids, 1)
-        self.budget -= len(req_ids)
-        self.num_tokens += len(req_ids)
-        self.decode_req_ids += req_ids if is_decode.all() else [req_ids[i] for i in np.flatnonzero(is_decode)]
+        self.budget -= len(decodes.req_ids)
+        self.num_tokens += len(decodes.req_ids)
 
     def add(self, request: Request, num_tokens: int) -> None:
         """Schedule ``num_tokens`` of ``request``: they count as computed from now on, and a step
@@ -549,3 +580,23 @@ class _StepBuilder:
             request.num_output_placeholders += 1
             if request.grammar is not None:
                 self.structured_output_requests.append(request)
+
+    def cached_reqs(self) -> CachedRequestData:
+        """The plan's requests that the runner holds: the decodes, or those planned one at a time."""
+        req_ids = tuple(self.cached_req_ids) if self.decodes is None else self.decodes.req_ids
+        return CachedRequestData(req_ids, tuple(self.cached_new_block_ids), tuple(self.cached_num_computed_tokens))
+
+    def scheduled_tokens(self) -> Mapping[str, int]:
+        """Request id -> tokens to compute, in the step's order."""
+        if self.decodes is None:
+            return self.num_scheduled
+        if not self.num_scheduled:
+            return self.decodes.num_scheduled_tokens
+        return {**self.decodes.num_scheduled_tokens, **self.num_scheduled}
+
+    def planned_decode_req_ids(self) -> frozenset[str]:
+        if self.decodes is None:
+            return frozenset(self.decode_req_ids)
+        if not self.decode_req_ids:
+            return self.decodes.decode_req_ids
+        return self.decodes.decode_req_ids.union(self.decode_req_ids)
