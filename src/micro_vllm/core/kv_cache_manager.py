@@ -169,13 +169,15 @@ class KVCacheManager:
         if len(requests) * num_groups > self.block_pool.get_num_free_blocks():
             return None
         request_ids = [r.request_id for r in requests]
-        blocks = self.block_pool.get_one_block_each([rid for rid in request_ids for _ in range(num_groups)])
+        blocks = self.block_pool.get_one_block_each(request_ids, num_groups)
+        ids_per_group = []
         for group, manager in enumerate(self.managers):
             tables = manager.req_to_blocks
-            for request_id, block in zip(request_ids, blocks[group::num_groups]):
+            group_blocks = blocks[group::num_groups]
+            for request_id, block in zip(request_ids, group_blocks):
                 tables[request_id].append(block)
-        ids = [(b.block_id,) for b in blocks]
-        return [tuple(ids[i : i + num_groups]) for i in range(0, len(ids), num_groups)]
+            ids_per_group.append([(b.block_id,) for b in group_blocks])
+        return list(zip(*ids_per_group))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
