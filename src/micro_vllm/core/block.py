@@ -179,7 +179,8 @@ class BlockPool:
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int, request_id: str) -> None:
         self.prefix_cache.insert(block, block_hash, group_id)
-        self._notify("cached", [block.block_id], request_id)
+        if self.listener is not None:  # most decode steps hash a block for some requests: no list for nobody
+            self._notify("cached", [block.block_id], request_id)
 
     def uncache(self, block: KVCacheBlock, key: tuple[bytes, int]) -> None:
         """Forget that ``block`` holds the K/V of ``key`` (a failed step may not have computed them);

@@ -403,14 +403,17 @@ class Scheduler:
     def _update_requests(self, output: ModelRunnerOutput) -> list[Request]:
         """Apply a step's tokens one request at a time; return the requests that stop."""
         requests = self.requests
-        finished = []
+        finished, computed = [], []
         for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = requests.get(request_id)
             if request is None or not token_ids:  # finished or aborted meanwhile, or a middle prompt chunk
                 continue
             request.num_output_placeholders -= 1
             request.append_output_token(token_ids[0])
-            self._after_token(request, token_ids, finished)
+            if request.num_computed_tokens == request.num_tokens:  # a later step computed it already
+                computed.append(request)
+            self._finish_if_stopped(request, token_ids, finished)
+        self.kv_cache_manager.cache_computed_blocks(computed)  # the blocks their new tokens complete
         self.table.invalidate(reordered=False)
         return finished
 
@@ -436,9 +439,7 @@ class Scheduler:
             num_full = num_tokens // kv.block_size
             completed = np.flatnonzero((table.num_computed_tokens[rows] == num_tokens)
                                        & (num_full > table.num_hashed_blocks[rows]))
-            for i in completed.tolist():
-                request = requests[i]
-                kv.cache_blocks(request, request.num_tokens)
+            kv.cache_computed_blocks([requests[i] for i in completed.tolist()])
             table.num_hashed_blocks[rows[completed]] = num_full[completed]
         may_stop = (num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
         if len(table.stop_token_ids):  # none when every request ignores EOS and has no stop tokens
@@ -447,14 +448,6 @@ class Scheduler:
         for i in np.flatnonzero(may_stop).tolist():
             self._finish_if_stopped(requests[i], sampled[i], finished)
         return finished
-
-    def _after_token(self, request: Request, token_ids: list[int], finished: list[Request]) -> None:
-        """What follows a request's new token: a block it completes is hashed, then
-        ``_finish_if_stopped``."""
-        num_tokens = request.num_tokens
-        if request.num_computed_tokens == num_tokens:  # a later step computed it already
-            self.kv_cache_manager.cache_blocks(request, num_tokens)
-        self._finish_if_stopped(request, token_ids, finished)
 
     def _finish_if_stopped(self, request: Request, token_ids: list[int], finished: list[Request]) -> None:
         """The request's grammar accepts its new token, and the request stops (appended to
