@@ -26,7 +26,7 @@ import numpy as np
 
 from micro_vllm.config import SchedulerConfig
 from micro_vllm.core.kv_cache_manager import BlocksPerGroup, KVCacheManager
-from micro_vllm.core.request import Request, RequestStatus
+from micro_vllm.core.request import Request, RequestStatus, append_sampled_tokens
 from micro_vllm.core.running_table import RunningTable
 from micro_vllm.core.scheduler_output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from micro_vllm.metrics.stats import PrefixCacheStats, SchedulerStats
@@ -429,9 +429,7 @@ class Scheduler:
             sampled = [ids for ids, row in zip(sampled, rows.tolist()) if row >= 0]
             rows = rows[rows >= 0]
         requests = self._running_at(rows)
-        for request, token_ids in zip(requests, sampled):
-            request.append_output_token(token_ids[0])
-            request.num_output_placeholders -= 1
+        append_sampled_tokens(requests, sampled)
         table.num_tokens[rows] += 1
         table.num_output_placeholders[rows] -= 1
         num_tokens = table.num_tokens[rows]
