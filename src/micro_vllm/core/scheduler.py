@@ -226,8 +226,7 @@ class Scheduler:
         one at a time. Returns the table rows planned; None, having planned nothing, when a request has
         more than one token to compute (or the last plan left one so), the budget is short, or a
         sliding window may free blocks."""
-        kv = self.kv_cache_manager
-        running = self.running
+        kv, running = self.kv_cache_manager, self.running
         if not running or not kv.full_attention_only or self.chunks_left:
             return None
         table = self.table
@@ -244,28 +243,11 @@ class Scheduler:
             num_full = np.minimum(num_computed + 1, table.num_tokens[rows]) // kv.block_size
             needs_own |= num_full > table.num_hashed_blocks[rows]
         new_block_ids = [None] * len(rows)
-        own_rows, own_requests = [], []
         # Most steps only give some requests a block each: in one call while the pool holds them all.
         if needs_own.any() or not self._allocate_decode_blocks(rows, needs_block, new_block_ids):
-            needs_own |= needs_block
-        for i in np.flatnonzero(needs_own).tolist():
-            row = int(rows[i])
-            if row >= len(running):  # preempted for an earlier request
-                break
-            request = running[row]
-            new_blocks = self._allocate_or_preempt(request, 1, step)
-            if new_blocks is None:
-                break
-            new_block_ids[i] = kv.to_block_ids(new_blocks)
-            own_rows.append(row)
-            own_requests.append(request)
-            if request.grammar is not None:
-                step.structured_output_requests.append(request)
-        if step.preempted:  # from the newest end: the requests planned are those still running
-            num_planned = int(np.searchsorted(rows, len(running)))
-            rows, num_computed = rows[:num_planned], num_computed[:num_planned]
-            new_block_ids = new_block_ids[:num_planned]
-        table.update_kv_rows(own_rows, own_requests, kv)
+            rows = self._allocate_decode_slots(rows, needs_own | needs_block, new_block_ids, step)
+            num_computed = num_computed[: len(rows)]
+            del new_block_ids[len(rows) :]
         table.num_computed_tokens[rows] += 1
         table.num_output_placeholders[rows] += 1  # each samples its next token
         requests = self._running_at(rows)
@@ -313,6 +295,29 @@ class Scheduler:
             new_block_ids[i] = ids
         self.table.num_held_tokens[block_rows] += kv.block_size
         return True
+
+    def _allocate_decode_slots(self, rows: np.ndarray, needs_slots: np.ndarray, new_block_ids: list[BlockIds | None],
+                               step: _StepBuilder) -> np.ndarray:
+        """``allocate_slots`` for one token, one request at a time, for each decode at table ``rows``
+        that ``needs_slots``, with its new blocks' ids put in ``new_block_ids``; preempts from the
+        newest end while the pool runs short. Returns the rows still planned: those still running."""
+        kv, running = self.kv_cache_manager, self.running
+        own_rows, own_requests = [], []
+        for i in np.flatnonzero(needs_slots).tolist():
+            row = int(rows[i])
+            if row >= len(running):  # preempted for an earlier request
+                break
+            request = running[row]
+            new_blocks = self._allocate_or_preempt(request, 1, step)
+            if new_blocks is None:
+                break
+            new_block_ids[i] = kv.to_block_ids(new_blocks)
+            own_rows.append(row)
+            own_requests.append(request)
+            if request.grammar is not None:
+                step.structured_output_requests.append(request)
+        self.table.update_kv_rows(own_rows, own_requests, kv)
+        return rows[: int(np.searchsorted(rows, len(running)))]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> BlocksPerGroup | None:
         """``allocate_slots`` for a running request, preempting from the newest end until the pool
