@@ -240,8 +240,8 @@ class Scheduler:
         needs_block = num_computed >= table.num_held_tokens[rows]
         needs_own = table.has_grammar[rows]
         if kv.enable_caching:  # the step completes a block whose tokens are known: it is hashed
-            num_full = np.minimum(num_computed + 1, table.num_tokens[rows]) // kv.block_size
-            needs_own |= num_full > table.num_hashed_blocks[rows]
+            # The step computes up to num_tokens plus the placeholders: every known token.
+            needs_own |= table.num_tokens[rows] // kv.block_size > table.num_hashed_blocks[rows]
         new_block_ids = [None] * len(rows)
         # Most steps only give some requests a block each: in one call while the pool holds them all.
         if needs_own.any() or not self._allocate_decode_blocks(rows, needs_block, new_block_ids):
