@@ -254,20 +254,22 @@ class Scheduler:
         for request in requests:
             request.num_computed_tokens += 1
             request.num_output_placeholders += 1
-        # A one-token step that computes a prompt's last token is no decode.
-        is_decode = num_computed >= table.num_prompt_tokens[rows]
-        step.add_decodes(self._decode_batch(requests, is_decode), new_block_ids, num_computed.tolist())
+        step.add_decodes(self._decode_batch(rows, requests, num_computed), new_block_ids, num_computed.tolist())
         return rows
 
-    def _decode_batch(self, requests: list[Request], is_decode: np.ndarray) -> DecodeBatch:
-        """``requests``, planned one token each, as a ``DecodeBatch`` (``is_decode``: which of them
-        decode). When they are all the running requests and all decode, the same one serves every
-        step until the running requests change."""
+    def _decode_batch(self, rows: np.ndarray, requests: list[Request], num_computed: np.ndarray) -> DecodeBatch:
+        """The ``requests`` at table ``rows``, planned one token each after ``num_computed`` tokens, as
+        a ``DecodeBatch``. When they are all the running requests and all decode, the same one serves
+        every step until the running requests change."""
         table = self.table
         # As many as the table's rows are all of them: a preemption shortens the running list, not the table.
-        if len(requests) == len(table.req_ids) and is_decode.all():
-            if self.all_decodes is None or self.all_decodes.req_ids is not table.req_ids:
-                self.all_decodes = DecodeBatch(table.req_ids, table.req_ids)
+        all_rows = len(requests) == len(table.req_ids)
+        if all_rows and self.all_decodes is not None and self.all_decodes.req_ids is table.req_ids:
+            return self.all_decodes  # they all decoded before: none computes its prompt again while they run
+        # A one-token step that computes a prompt's last token is no decode.
+        is_decode = num_computed >= table.num_prompt_tokens[rows]
+        if all_rows and is_decode.all():
+            self.all_decodes = DecodeBatch(table.req_ids, table.req_ids)
             return self.all_decodes
         req_ids = tuple(r.request_id for r in requests)
         return DecodeBatch(req_ids, [req_ids[i] for i in np.flatnonzero(is_decode).tolist()])
