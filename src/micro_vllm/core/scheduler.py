@@ -271,8 +271,9 @@ class Scheduler:
         if all_rows and is_decode.all():
             self.all_decodes = DecodeBatch(table.req_ids, table.req_ids)
             return self.all_decodes
-        req_ids = tuple(r.request_id for r in requests)
-        return DecodeBatch(req_ids, [req_ids[i] for i in np.flatnonzero(is_decode).tolist()])
+        req_ids = tuple([r.request_id for r in requests])
+        return DecodeBatch(req_ids, req_ids if is_decode.all() else
+                           [req_ids[i] for i in np.flatnonzero(is_decode).tolist()])
 
     def _running_at(self, rows: np.ndarray) -> list[Request]:
         """The running requests at table ``rows``, which are in running order: as many rows as there
