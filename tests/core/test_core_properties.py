@@ -166,20 +166,21 @@ def test_invariants_hold_after_every_step(scenario):
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_decode_fast_path_plans_and_applies_as_per_request(scenario):
-    """The array path for steps in which every running request decodes plans the same steps and
-    leaves the same requests as the per-request path, step by step."""
+    """The array path for steps in which every running request decodes plans the same steps (and
+    reports the same decodes) and leaves the same requests as the per-request path, step by step."""
     runs = []
     for fast in (True, False):
         scheduler = scenario.make_scheduler()
         if not fast:
             scheduler._schedule_decodes = lambda step: None
-        plans = []
+        plans = []  # with the stats made with each
         schedule = scheduler.schedule
-        scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        scheduler.schedule = lambda: plans.append((schedule(), scheduler.stats)) or plans[-1][0]
         requests, aborted, _ = run(scenario, scheduler)
         # Request ids differ between the runs: name each by its place in the scenario.
         name = {r.request_id: i for i, r in enumerate(requests)}
-        runs.append(([plan_by_name(plan, name) for plan in plans],
+        runs.append(([(plan_by_name(plan, name), sorted(name[i] for i in stats.decode_req_ids), stats.num_decode_tokens)
+                      for plan, stats in plans],
                      [(r.status, r.all_token_ids, r.num_preemptions) for r in requests],
                      sorted(name[i] for i in aborted)))
     (fast_plans, *fast_rest), (slow_plans, *slow_rest) = runs

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from micro_vllm.attention.spec import AttentionSpec
 from helpers.core_helpers import FULL, free_queue_ids, make_kv_manager, make_request, sliding
 
@@ -351,13 +353,14 @@ def test_full_and_sliding_groups_share_the_pool_and_agree_on_hits():
     assert kv.get_computed_blocks(b) == ([[], []], 0)
 
 
-def test_decode_blocks_at_once_are_those_allocate_slots_gives_in_turn():
+@pytest.mark.parametrize("with_listener", [True, False])
+def test_decode_blocks_at_once_are_those_allocate_slots_gives_in_turn(with_listener):
     """Two full-attention groups (the scheduler's decode steps cover one group only): the same
-    blocks, tables, free queue and block events as one ``allocate_slots`` per request, evictions
-    included; with too few free blocks, nothing is taken."""
+    blocks, tables, free queue, prefix cache and block events (with a listener) as one
+    ``allocate_slots`` per request, evictions included; with too few free blocks, nothing is taken."""
     results = []
     for at_once in (True, False):
-        listener = RecordingListener()
+        listener = RecordingListener() if with_listener else None
         kv = make_kv_manager(num_blocks=19, block_size=4, specs=(FULL, AttentionSpec(num_kv_heads=4, head_size=8)),
                              block_listener=listener)
         freed = make_request(list(range(100, 104)), request_id="freed")
@@ -375,7 +378,8 @@ def test_decode_blocks_at_once_are_those_allocate_slots_gives_in_turn():
         else:
             new_block_ids = [kv.to_block_ids(kv.allocate_slots(request, 1)) for request in requests]
         tables = [ids(m.req_to_blocks[r.request_id] for m in kv.managers) for r in requests]
-        results.append((new_block_ids, tables, free_queue_ids(kv), listener.events, len(kv.block_pool.prefix_cache)))
+        results.append((new_block_ids, tables, free_queue_ids(kv), listener and listener.events,
+                         sorted((key, block.block_id) for key, block in kv.block_pool.prefix_cache.items())))
     assert results[0] == results[1]
     assert results[0][0] == [((15,), (16,)), ((17,), (18,)), ((1,), (2,))]
 

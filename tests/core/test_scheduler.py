@@ -372,3 +372,40 @@ def test_async_scheduling_plans_ahead_and_drops_the_token_after_a_stop():
     assert returns({capped.request_id: 3}) == [capped]
     assert capped.output_token_ids == [3, 3, 3] and capped.finish_reason == "length"
     check_all_free(scheduler)
+
+
+def test_decode_steps_share_their_plan_parts_while_the_same_requests_run():
+    """Steps in which the same running requests all decode share the plan's request ids and
+    scheduled tokens and the stats' decode ids; a finish or an admission changes them at once."""
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    short, long = make_request(4, max_tokens=3), make_request(4, max_tokens=6)
+    for r in (short, long):
+        scheduler.add_request(r)
+
+    def step():
+        plan = scheduler.schedule()
+        stats = scheduler.stats
+        scheduler.update_from_output(fake_output(plan, scheduler))
+        return plan, stats
+
+    step()  # both prompts
+    (second, second_stats), (third, third_stats) = step(), step()  # both decode; short's third token ends it
+    both = {short.request_id: 1, long.request_id: 1}
+    assert dict(second.num_scheduled_tokens) == dict(third.num_scheduled_tokens) == both
+    assert third.num_scheduled_tokens is second.num_scheduled_tokens
+    assert third.scheduled_cached_reqs.req_ids is second.scheduled_cached_reqs.req_ids
+    assert third_stats.decode_req_ids is second_stats.decode_req_ids == set(both)
+    fourth, fourth_stats = step()
+    assert dict(fourth.num_scheduled_tokens) == {long.request_id: 1}
+    assert fourth.scheduled_cached_reqs.req_ids == (long.request_id,)
+    assert fourth_stats.decode_req_ids == {long.request_id} and fourth_stats.num_decode_tokens == 1
+    newcomer = make_request(list(range(10, 15)))
+    scheduler.add_request(newcomer)
+    fifth, fifth_stats = step()  # long decodes, the newcomer's prompt joins after it
+    assert list(fifth.num_scheduled_tokens.items()) == [(long.request_id, 1), (newcomer.request_id, 5)]
+    assert fifth.scheduled_cached_reqs.req_ids == (long.request_id,)
+    assert fifth_stats.decode_req_ids == {long.request_id} and fifth_stats.num_prefill_tokens == 5
+    sixth, sixth_stats = step()
+    assert dict(sixth.num_scheduled_tokens) == {long.request_id: 1, newcomer.request_id: 1}
+    assert sixth_stats.decode_req_ids == {long.request_id, newcomer.request_id}
+    assert dict(fourth.num_scheduled_tokens) == {long.request_id: 1}  # an earlier plan is left as it was

@@ -125,15 +125,16 @@ class BlockPool:
         self._claim(blocks, request_id)
         return blocks
 
-    def get_one_block_each(self, request_ids: list[str]) -> list[KVCacheBlock]:
-        """A new block for each of ``request_ids``: what ``get_new_blocks(1, request_id)`` for each in
-        turn gives, taken from the queue at once."""
-        blocks = self.free_queue.popleft_n(len(request_ids))
-        if self.listener is None:  # the events, a pair per request, are all that one claim would change
+    def get_one_block_each(self, request_ids: list[str], num_groups: int) -> list[KVCacheBlock]:
+        """A new block in each of ``num_groups`` groups for each of ``request_ids``: what
+        ``get_new_blocks(1, request_id)`` for each request and then each group gives, taken from the
+        queue at once."""
+        blocks = self.free_queue.popleft_n(len(request_ids) * num_groups)
+        if self.listener is None:  # the events, a pair per block, are all that one claim would change
             self._claim(blocks, None)
         else:
-            for block, request_id in zip(blocks, request_ids):
-                self._claim([block], request_id)
+            for i, block in enumerate(blocks):
+                self._claim([block], request_ids[i // num_groups])
         return blocks
 
     def _claim(self, blocks: list[KVCacheBlock], request_id: str | None) -> None:
@@ -142,8 +143,9 @@ class BlockPool:
         for block in blocks:
             block.block_hash = None
             block.ref_cnt = 1
-        self._notify("evicted", evicted, request_id)
-        self._notify("allocated", [b.block_id for b in blocks], request_id)
+        if self.listener is not None:  # the ids are listed for it alone
+            self._notify("evicted", evicted, request_id)
+            self._notify("allocated", [b.block_id for b in blocks], request_id)
 
     def touch(self, blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
         """Take a reference on cached blocks a new request reuses, pulling free ones out of the queue."""
@@ -177,7 +179,8 @@ class BlockPool:
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int, request_id: str) -> None:
         self.prefix_cache.insert(block, block_hash, group_id)
-        self._notify("cached", [block.block_id], request_id)
+        if self.listener is not None:  # most decode steps hash a block for some requests: no list for nobody
+            self._notify("cached", [block.block_id], request_id)
 
     def uncache(self, block: KVCacheBlock, key: tuple[bytes, int]) -> None:
         """Forget that ``block`` holds the K/V of ``key`` (a failed step may not have computed them);

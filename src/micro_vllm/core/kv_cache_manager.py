@@ -169,13 +169,15 @@ class KVCacheManager:
         if len(requests) * num_groups > self.block_pool.get_num_free_blocks():
             return None
         request_ids = [r.request_id for r in requests]
-        blocks = self.block_pool.get_one_block_each([rid for rid in request_ids for _ in range(num_groups)])
+        blocks = self.block_pool.get_one_block_each(request_ids, num_groups)
+        ids_per_group = []
         for group, manager in enumerate(self.managers):
             tables = manager.req_to_blocks
-            for request_id, block in zip(request_ids, blocks[group::num_groups]):
+            group_blocks = blocks[group::num_groups]
+            for request_id, block in zip(request_ids, group_blocks):
                 tables[request_id].append(block)
-        ids = [(b.block_id,) for b in blocks]
-        return [tuple(ids[i : i + num_groups]) for i in range(0, len(ids), num_groups)]
+            ids_per_group.append([(b.block_id,) for b in group_blocks])
+        return list(zip(*ids_per_group))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
@@ -183,13 +185,32 @@ class KVCacheManager:
         still in flight is hashed once its id is known."""
         if not self.enable_caching:
             return
-        request_id = request.request_id
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
-        if num_full <= self.num_hashed_blocks(request_id):
+        if num_full > self.num_hashed_blocks(request.request_id):
+            self._cache_full_blocks([request], [num_full])
+
+    def cache_computed_blocks(self, requests: list[Request]) -> None:
+        """``cache_blocks(request, request.num_tokens)`` for each of ``requests``, whose known tokens
+        are all computed (a step's new tokens that a later step has computed already), at once."""
+        if not self.enable_caching:
             return
-        block_hashes = update_block_hashes(request, self.block_size)
+        block_size, num_hashed = self.block_size, self._first_num_cached_blocks
+        completing, num_full = [], []
+        for request in requests:
+            num_blocks = request.num_tokens // block_size
+            if num_blocks > num_hashed.get(request.request_id, 0):
+                completing.append(request)
+                num_full.append(num_blocks)
+        if completing:
+            self._cache_full_blocks(completing, num_full)
+
+    def _cache_full_blocks(self, requests: list[Request], num_full: list[int]) -> None:
+        """Hash the first ``num_full[i]`` blocks of ``requests[i]`` in every group, the requests in one
+        call per group."""
+        block_hashes = [update_block_hashes(request, self.block_size) for request in requests]
+        request_ids = [request.request_id for request in requests]
         for manager in self.managers:
-            hashed = manager.cache_blocks(request_id, block_hashes, num_full)
+            hashed = manager.cache_blocks(request_ids, block_hashes, num_full)
             if hashed and self.unconfirmed:
                 self.unconfirmed[-1] += hashed
 

@@ -12,6 +12,7 @@ while the table is stale), so those rows are only used while it is unchanged.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,6 +33,9 @@ class RunningTable:
     def __init__(self) -> None:
         self.stale = True
         self.version = 0
+        # The requests' ids in row order: a new tuple whenever the rows change, so that what is built
+        # from them can be kept while it is the same one.
+        self.req_ids: tuple[str, ...] = ()
         empty = np.zeros(0, np.int64)
         self.num_computed_tokens = self.num_tokens = self.num_output_placeholders = empty
         self.max_num_tokens = self.num_prompt_tokens = empty
@@ -60,6 +64,7 @@ class RunningTable:
         ).reshape(len(running), len(_COLUMNS))
         for name, column in zip(_COLUMNS, columns.T):
             setattr(self, name, column.astype(bool) if name == "has_grammar" else column.copy())
+        self.req_ids = tuple(r.request_id for r in running)
         stop_ids = set()
         for request in running:
             params = request.sampling_params
@@ -75,6 +80,7 @@ class RunningTable:
         order); return where each old row is now (-1: gone). The stop tokens may stay a superset."""
         for name in _COLUMNS:
             setattr(self, name, getattr(self, name)[kept])
+        self.req_ids = tuple(itertools.compress(self.req_ids, kept))
         new_rows = np.cumsum(kept) - 1
         new_rows[~kept] = -1
         return new_rows

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 
 from micro_vllm.config import SchedulerConfig
 from micro_vllm.core.kv_cache_manager import BlocksPerGroup, KVCacheManager
-from micro_vllm.core.request import Request, RequestStatus
+from micro_vllm.core.request import Request, RequestStatus, append_sampled_tokens
 from micro_vllm.core.running_table import RunningTable
 from micro_vllm.core.scheduler_output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from micro_vllm.metrics.stats import PrefixCacheStats, SchedulerStats
@@ -47,6 +48,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is preempted first
         # The running requests' counters as arrays, for steps in which all of them decode.
         self.table = RunningTable()
+        # The plan's parts for a step in which every running request decodes, kept while the same
+        # requests run (``_decode_batch``).
+        self.all_decodes: DecodeBatch | None = None
         # Per planned step whose output is not applied yet, oldest first: the table's version then and
         # the table rows it decoded, or None when it was planned request by request.
         self.planned_rows: deque[tuple[int, np.ndarray | None]] = deque()
@@ -148,9 +152,8 @@ class Scheduler:
                 self.table.invalidate(reordered=False)
         plan = SchedulerOutput(
             scheduled_new_reqs=tuple(step.new_reqs),
-            scheduled_cached_reqs=CachedRequestData(tuple(step.cached_req_ids), tuple(step.cached_new_block_ids),
-                                                    tuple(step.cached_num_computed_tokens)),
-            num_scheduled_tokens=step.num_scheduled,
+            scheduled_cached_reqs=step.cached_reqs(),
+            num_scheduled_tokens=step.scheduled_tokens(),
             total_num_scheduled_tokens=step.num_tokens,
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=frozenset(r.request_id for r in step.preempted),
@@ -178,7 +181,8 @@ class Scheduler:
         (nothing when taken between steps)."""
         kv = self.kv_cache_manager
         step = step or _StepBuilder(0)
-        num_decode_tokens = len(step.decode_req_ids)
+        decode_req_ids = step.planned_decode_req_ids()
+        num_decode_tokens = len(decode_req_ids)
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -187,7 +191,7 @@ class Scheduler:
             kv_cached_blocks=kv.num_cached_blocks,
             num_prefill_tokens=step.num_tokens - num_decode_tokens,
             num_decode_tokens=num_decode_tokens,
-            decode_req_ids=frozenset(step.decode_req_ids),
+            decode_req_ids=decode_req_ids,
             prefix_cache_stats=PrefixCacheStats(step.prefix_cache_queries, step.prefix_cache_hits),
             num_preempted_reqs=len(step.preempted),
         )
@@ -222,8 +226,7 @@ class Scheduler:
         one at a time. Returns the table rows planned; None, having planned nothing, when a request has
         more than one token to compute (or the last plan left one so), the budget is short, or a
         sliding window may free blocks."""
-        kv = self.kv_cache_manager
-        running = self.running
+        kv, running = self.kv_cache_manager, self.running
         if not running or not kv.full_attention_only or self.chunks_left:
             return None
         table = self.table
@@ -237,41 +240,40 @@ class Scheduler:
         needs_block = num_computed >= table.num_held_tokens[rows]
         needs_own = table.has_grammar[rows]
         if kv.enable_caching:  # the step completes a block whose tokens are known: it is hashed
-            num_full = np.minimum(num_computed + 1, table.num_tokens[rows]) // kv.block_size
-            needs_own |= num_full > table.num_hashed_blocks[rows]
+            # The step computes up to num_tokens plus the placeholders: every known token.
+            needs_own |= table.num_tokens[rows] // kv.block_size > table.num_hashed_blocks[rows]
         new_block_ids = [None] * len(rows)
-        own_rows, own_requests = [], []
         # Most steps only give some requests a block each: in one call while the pool holds them all.
         if needs_own.any() or not self._allocate_decode_blocks(rows, needs_block, new_block_ids):
-            needs_own |= needs_block
-        for i in np.flatnonzero(needs_own).tolist():
-            row = int(rows[i])
-            if row >= len(running):  # preempted for an earlier request
-                break
-            request = running[row]
-            new_blocks = self._allocate_or_preempt(request, 1, step)
-            if new_blocks is None:
-                break
-            new_block_ids[i] = kv.to_block_ids(new_blocks)
-            own_rows.append(row)
-            own_requests.append(request)
-            if request.grammar is not None:
-                step.structured_output_requests.append(request)
-        if step.preempted:  # from the newest end: the requests planned are those still running
-            num_planned = int(np.searchsorted(rows, len(running)))
-            rows, num_computed = rows[:num_planned], num_computed[:num_planned]
-            new_block_ids = new_block_ids[:num_planned]
-        table.update_kv_rows(own_rows, own_requests, kv)
+            rows = self._allocate_decode_slots(rows, needs_own | needs_block, new_block_ids, step)
+            num_computed = num_computed[: len(rows)]
+            del new_block_ids[len(rows) :]
         table.num_computed_tokens[rows] += 1
         table.num_output_placeholders[rows] += 1  # each samples its next token
         requests = self._running_at(rows)
         for request in requests:
             request.num_computed_tokens += 1
             request.num_output_placeholders += 1
-        # A one-token step that computes a prompt's last token is no decode.
-        step.add_decodes([r.request_id for r in requests], new_block_ids, num_computed.tolist(),
-                         num_computed >= table.num_prompt_tokens[rows])
+        step.add_decodes(self._decode_batch(rows, requests, num_computed), new_block_ids, num_computed.tolist())
         return rows
+
+    def _decode_batch(self, rows: np.ndarray, requests: list[Request], num_computed: np.ndarray) -> DecodeBatch:
+        """The ``requests`` at table ``rows``, planned one token each after ``num_computed`` tokens, as
+        a ``DecodeBatch``. When they are all the running requests and all decode, the same one serves
+        every step until the running requests change."""
+        table = self.table
+        # As many as the table's rows are all of them: a preemption shortens the running list, not the table.
+        all_rows = len(requests) == len(table.req_ids)
+        if all_rows and self.all_decodes is not None and self.all_decodes.req_ids is table.req_ids:
+            return self.all_decodes  # they all decoded before: none computes its prompt again while they run
+        # A one-token step that computes a prompt's last token is no decode.
+        is_decode = num_computed >= table.num_prompt_tokens[rows]
+        if all_rows and is_decode.all():
+            self.all_decodes = DecodeBatch(table.req_ids, table.req_ids)
+            return self.all_decodes
+        req_ids = tuple([r.request_id for r in requests])
+        return DecodeBatch(req_ids, req_ids if is_decode.all() else
+                           [req_ids[i] for i in np.flatnonzero(is_decode).tolist()])
 
     def _running_at(self, rows: np.ndarray) -> list[Request]:
         """The running requests at table ``rows``, which are in running order: as many rows as there
@@ -296,6 +298,29 @@ class Scheduler:
             new_block_ids[i] = ids
         self.table.num_held_tokens[block_rows] += kv.block_size
         return True
+
+    def _allocate_decode_slots(self, rows: np.ndarray, needs_slots: np.ndarray, new_block_ids: list[BlockIds | None],
+                               step: _StepBuilder) -> np.ndarray:
+        """``allocate_slots`` for one token, one request at a time, for each decode at table ``rows``
+        that ``needs_slots``, with its new blocks' ids put in ``new_block_ids``; preempts from the
+        newest end while the pool runs short. Returns the rows still planned: those still running."""
+        kv, running = self.kv_cache_manager, self.running
+        own_rows, own_requests = [], []
+        for i in np.flatnonzero(needs_slots).tolist():
+            row = int(rows[i])
+            if row >= len(running):  # preempted for an earlier request
+                break
+            request = running[row]
+            new_blocks = self._allocate_or_preempt(request, 1, step)
+            if new_blocks is None:
+                break
+            new_block_ids[i] = kv.to_block_ids(new_blocks)
+            own_rows.append(row)
+            own_requests.append(request)
+            if request.grammar is not None:
+                step.structured_output_requests.append(request)
+        self.table.update_kv_rows(own_rows, own_requests, kv)
+        return rows[: int(np.searchsorted(rows, len(running)))]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> BlocksPerGroup | None:
         """``allocate_slots`` for a running request, preempting from the newest end until the pool
@@ -386,14 +411,17 @@ class Scheduler:
     def _update_requests(self, output: ModelRunnerOutput) -> list[Request]:
         """Apply a step's tokens one request at a time; return the requests that stop."""
         requests = self.requests
-        finished = []
+        finished, computed = [], []
         for request_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = requests.get(request_id)
             if request is None or not token_ids:  # finished or aborted meanwhile, or a middle prompt chunk
                 continue
             request.num_output_placeholders -= 1
             request.append_output_token(token_ids[0])
-            self._after_token(request, token_ids, finished)
+            if request.num_computed_tokens == request.num_tokens:  # a later step computed it already
+                computed.append(request)
+            self._finish_if_stopped(request, token_ids, finished)
+        self.kv_cache_manager.cache_computed_blocks(computed)  # the blocks their new tokens complete
         self.table.invalidate(reordered=False)
         return finished
 
@@ -409,9 +437,7 @@ class Scheduler:
             sampled = [ids for ids, row in zip(sampled, rows.tolist()) if row >= 0]
             rows = rows[rows >= 0]
         requests = self._running_at(rows)
-        for request, token_ids in zip(requests, sampled):
-            request.append_output_token(token_ids[0])
-            request.num_output_placeholders -= 1
+        append_sampled_tokens(requests, sampled)
         table.num_tokens[rows] += 1
         table.num_output_placeholders[rows] -= 1
         num_tokens = table.num_tokens[rows]
@@ -419,9 +445,7 @@ class Scheduler:
             num_full = num_tokens // kv.block_size
             completed = np.flatnonzero((table.num_computed_tokens[rows] == num_tokens)
                                        & (num_full > table.num_hashed_blocks[rows]))
-            for i in completed.tolist():
-                request = requests[i]
-                kv.cache_blocks(request, request.num_tokens)
+            kv.cache_computed_blocks([requests[i] for i in completed.tolist()])
             table.num_hashed_blocks[rows[completed]] = num_full[completed]
         may_stop = (num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
         if len(table.stop_token_ids):  # none when every request ignores EOS and has no stop tokens
@@ -430,14 +454,6 @@ class Scheduler:
         for i in np.flatnonzero(may_stop).tolist():
             self._finish_if_stopped(requests[i], sampled[i], finished)
         return finished
-
-    def _after_token(self, request: Request, token_ids: list[int], finished: list[Request]) -> None:
-        """What follows a request's new token: a block it completes is hashed, then
-        ``_finish_if_stopped``."""
-        num_tokens = request.num_tokens
-        if request.num_computed_tokens == num_tokens:  # a later step computed it already
-            self.kv_cache_manager.cache_blocks(request, num_tokens)
-        self._finish_if_stopped(request, token_ids, finished)
 
     def _finish_if_stopped(self, request: Request, token_ids: list[int], finished: list[Request]) -> None:
         """The request's grammar accepts its new token, and the request stops (appended to
@@ -500,16 +516,32 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
 
 
+class DecodeBatch:
+    """Requests that compute one token each as a step's first requests, with the parts of the plan
+    and of the stats that list them. Plans never mutate these, so the steps that plan the same
+    requests share one."""
+
+    __slots__ = ("req_ids", "num_scheduled_tokens", "decode_req_ids")
+
+    def __init__(self, req_ids: tuple[str, ...], decode_req_ids: Iterable[str]) -> None:
+        self.req_ids = req_ids
+        self.num_scheduled_tokens = MappingProxyType(dict.fromkeys(req_ids, 1))
+        self.decode_req_ids = frozenset(decode_req_ids)  # the others compute a prompt's last token
+
+
 class _StepBuilder:
     """What one ``schedule()`` call has decided so far; frozen into the plan at the end."""
 
-    __slots__ = ("budget", "num_tokens", "num_scheduled", "new_reqs", "cached_req_ids", "cached_new_block_ids",
-                 "cached_num_computed_tokens", "preempted", "decode_req_ids", "structured_output_requests",
-                 "prefix_cache_queries", "prefix_cache_hits", "chunks_left")
+    __slots__ = ("budget", "num_tokens", "decodes", "num_scheduled", "new_reqs", "cached_req_ids",
+                 "cached_new_block_ids", "cached_num_computed_tokens", "preempted", "decode_req_ids",
+                 "structured_output_requests", "prefix_cache_queries", "prefix_cache_hits", "chunks_left")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens still free under max_num_batched_tokens
         self.num_tokens = 0  # tokens scheduled
+        # The step's first requests when they are planned at once (``add_decodes``); the request ids
+        # below are those of the requests planned one at a time (``add``).
+        self.decodes: DecodeBatch | None = None
         self.num_scheduled: dict[str, int] = {}
         self.new_reqs: list[NewRequestData] = []
         # The requests the runner holds, as the plan's CachedRequestData lists them.
@@ -522,17 +554,15 @@ class _StepBuilder:
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, of the requests admitted
         self.chunks_left = False  # a request planned here has known tokens left to compute
 
-    def add_decodes(self, req_ids: list[str], new_block_ids: list[BlockIds | None], num_computed: list[int],
-                    is_decode: np.ndarray) -> None:
-        """Schedule one token of each of ``req_ids``, which the runner holds, as the step's first
-        requests; the caller has counted them as computed and their placeholders."""
-        self.cached_req_ids += req_ids
+    def add_decodes(self, decodes: DecodeBatch, new_block_ids: list[BlockIds | None], num_computed: list[int]) -> None:
+        """Schedule one token of each of ``decodes``, which the runner holds, as the step's first
+        requests and its only cached ones; the caller has counted them as computed and their
+        placeholders."""
+        self.decodes = decodes
         self.cached_new_block_ids += new_block_ids
         self.cached_num_computed_tokens += num_computed
-        self.num_scheduled = dict.fromkeys(req_ids, 1)
-        self.budget -= len(req_ids)
-        self.num_tokens += len(req_ids)
-        self.decode_req_ids += req_ids if is_decode.all() else [req_ids[i] for i in np.flatnonzero(is_decode)]
+        self.budget -= len(decodes.req_ids)
+        self.num_tokens += len(decodes.req_ids)
 
     def add(self, request: Request, num_tokens: int) -> None:
         """Schedule ``num_tokens`` of ``request``: they count as computed from now on, and a step
@@ -549,3 +579,23 @@ class _StepBuilder:
             request.num_output_placeholders += 1
             if request.grammar is not None:
                 self.structured_output_requests.append(request)
+
+    def cached_reqs(self) -> CachedRequestData:
+        """The plan's requests that the runner holds: the decodes, or those planned one at a time."""
+        req_ids = tuple(self.cached_req_ids) if self.decodes is None else self.decodes.req_ids
+        return CachedRequestData(req_ids, tuple(self.cached_new_block_ids), tuple(self.cached_num_computed_tokens))
+
+    def scheduled_tokens(self) -> Mapping[str, int]:
+        """Request id -> tokens to compute, in the step's order."""
+        if self.decodes is None:
+            return self.num_scheduled
+        if not self.num_scheduled:
+            return self.decodes.num_scheduled_tokens
+        return {**self.decodes.num_scheduled_tokens, **self.num_scheduled}
+
+    def planned_decode_req_ids(self) -> frozenset[str]:
+        if self.decodes is None:
+            return frozenset(self.decode_req_ids)
+        if not self.decode_req_ids:
+            return self.decodes.decode_req_ids
+        return self.decodes.decode_req_ids.union(self.decode_req_ids)

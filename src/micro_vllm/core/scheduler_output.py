@@ -57,7 +57,10 @@ class SchedulerOutput:
     grammar_bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_scheduled_tokens", MappingProxyType(dict(self.num_scheduled_tokens)))
+        # A read-only view is taken as it is: the plans of steps in which the same requests decode
+        # share one.
+        if not isinstance(self.num_scheduled_tokens, MappingProxyType):
+            object.__setattr__(self, "num_scheduled_tokens", MappingProxyType(dict(self.num_scheduled_tokens)))
         object.__setattr__(self, "structured_output_request_ids",
                            MappingProxyType(dict(self.structured_output_request_ids)))
 
