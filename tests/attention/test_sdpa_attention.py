@@ -31,7 +31,7 @@ def sdpa_metadata(batch, window) -> sdpa.SdpaMetadata:
     num_heads = batch.query.shape[1]
     _, _, block_size, num_kv_heads, head_size = batch.kv_cache.shape
     builder = sdpa.SdpaMetadataBuilder(AttentionSpec(num_kv_heads, head_size, window), num_heads, block_size,
-                                       batch.metadata.common.num_reqs, batch.query.device)
+                                       batch.metadata.common.num_reqs, batch.query.device, batch.kv_cache.dtype)
     return builder.build(batch.metadata.common)
 
 

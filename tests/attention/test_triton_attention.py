@@ -170,7 +170,7 @@ def test_the_builder_orders_decode_steps_longest_context_first(rng: random.Rando
     """The builder gives a decode step its order, longest context first, in a buffer of its own at a
     fixed address (a captured graph reads it); a step with a longer query gets none."""
     spec = AttentionSpec(num_kv_heads=2, head_size=16)
-    builder = triton_attn.TritonAttentionMetadataBuilder(spec, 4, 16, 8, torch.device(DEVICE))
+    builder = triton_attn.TritonAttentionMetadataBuilder(spec, 4, 16, 8, torch.device(DEVICE), torch.float32)
     shape = dict(num_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32)
     decodes = make_batch(rng, [(1, context) for context in (5, 40, 5, 17)], **shape)
     order = builder.build(decodes.metadata.common).decode_order
@@ -185,7 +185,7 @@ def order_builder():
     """A function that builds, with one triton metadata builder, a step of requests with these
     context lengths, ``query_len`` tokens each, and returns the decode order it got."""
     builder = triton_attn.TritonAttentionMetadataBuilder(AttentionSpec(num_kv_heads=2, head_size=16), 4, 16, 8,
-                                                         torch.device(DEVICE))
+                                                         torch.device(DEVICE), torch.float32)
 
     def step(seq_lens: list[int], query_len: int = 1) -> torch.Tensor | None:
         lens = torch.tensor(seq_lens, dtype=torch.int32)

@@ -183,7 +183,8 @@ def layer_metadata(model: nn.Module, common: CommonAttentionMetadata, block_size
     """Each decoder layer's metadata for one step: what its backend's builder builds from ``common``
     (the runner builds it once per KV cache group, whose layers share a spec)."""
     return [
-        layer.backend.builder_cls(layer.spec, layer.num_heads, block_size, common.num_reqs, common.seq_lens.device)
+        layer.backend.builder_cls(layer.spec, layer.num_heads, block_size, common.num_reqs, common.seq_lens.device,
+                                  layer.kv_cache.dtype)
         .build(common)
         for layer in model.attention_layers()
     ]

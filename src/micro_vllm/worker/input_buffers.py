@@ -31,8 +31,8 @@ class InputBuffers:
         self.block_tables = [staged(max_num_reqs, max_blocks) for _ in groups]
         self.slot_mappings = [staged(max_num_tokens, dtype=torch.int64) for _ in groups]
         self.builders = [
-            backend.builder_cls(group.spec, layers[group.layer_indices[0]].num_heads, block_size, max_num_reqs, device)
-            for group in groups
+            backend.builder_cls(group.spec, layer.num_heads, block_size, max_num_reqs, device, layer.kv_cache.dtype)
+            for group, layer in ((group, layers[group.layer_indices[0]]) for group in groups)
         ]
         self.layer_group = [0] * len(layers)  # decoder layer -> its KV cache group
         for group_id, group in enumerate(groups):

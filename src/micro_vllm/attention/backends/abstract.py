@@ -53,17 +53,18 @@ class AttentionMetadataBuilder:
     """Builds a backend's metadata for one KV cache group, once per step (vLLM's name). This base
     class serves backends that read only the common metadata.
 
-    ``spec`` and ``num_heads`` describe the group's layers; a builder that stages tensors of its own
-    allocates them here, for at most ``max_num_reqs`` requests, at addresses that never change (a
-    captured CUDA graph reads them)."""
+    ``spec``, ``num_heads`` and ``kv_cache_dtype`` describe the group's layers; a builder that stages
+    tensors of its own allocates them here, for at most ``max_num_reqs`` requests, at addresses that
+    never change (a captured CUDA graph reads them)."""
 
     def __init__(self, spec: AttentionSpec, num_heads: int, block_size: int, max_num_reqs: int,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_cache_dtype: torch.dtype) -> None:
         self.spec = spec
         self.num_heads = num_heads
         self.block_size = block_size
         self.max_num_reqs = max_num_reqs
         self.device = device
+        self.kv_cache_dtype = kv_cache_dtype
 
     def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return AttentionMetadata(common)

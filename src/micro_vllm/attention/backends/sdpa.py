@@ -167,9 +167,20 @@ class SdpaMetadata(AttentionMetadata):
     # Only decodes, their token rows the step's rows in order (no padding): the query is the batch as
     # it stands and the output needs no scatter.
     decodes_only: bool
+    # How decodes read the cache, the builder's choice for the engine's life: the value rows summed
+    # where they lie (embedding_bag), and the key rows scored where they lie (sampled_addmm).
+    values_in_place: bool
+    scores_in_place: bool
 
 
 class SdpaMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # embedding_bag weights rows in the table's dtype, so only an fp32 cache (an fp32 model's) is
+        # read in place; sampled_addmm's in-place scores pay on CPU only.
+        self.values_in_place = self.kv_cache_dtype == torch.float32
+        self.scores_in_place = self.values_in_place and self.device.type == "cpu"
+
     def build(self, common: CommonAttentionMetadata) -> SdpaMetadata:
         starts = common.query_start_loc_cpu.long()
         query_lens = starts[1:] - starts[:-1]
@@ -178,7 +189,8 @@ class SdpaMetadataBuilder(AttentionMetadataBuilder):
                                 self.spec.num_kv_heads, group)
                    for selected in (query_lens == 1, query_lens > 1) if selected.any()]
         decodes_only = bool((query_lens == 1).all()) and common.slot_mapping.shape[0] == common.num_reqs
-        return SdpaMetadata(common, batches, KVWrites.of(common.slot_mapping), decodes_only)
+        return SdpaMetadata(common, batches, KVWrites.of(common.slot_mapping), decodes_only, self.values_in_place,
+                            self.scores_in_place)
 
 
 class SdpaBackend(AttentionBackend):
@@ -195,16 +207,16 @@ class SdpaBackend(AttentionBackend):
     def forward(self, query, kv_cache, metadata: SdpaMetadata, *, scale, sliding_window):
         keys, values = kv_cache.view(2, -1, kv_cache.shape[-1])  # one row per (slot, KV head)
         if metadata.decodes_only:
-            return _attend(query, keys, values, metadata.batches[0], scale)
+            return _attend(query, keys, values, metadata.batches[0], scale, metadata)
         output = torch.empty_like(query)
         for batch in metadata.batches:
-            out = _attend(query.index_select(0, batch.query_rows), keys, values, batch, scale)
+            out = _attend(query.index_select(0, batch.query_rows), keys, values, batch, scale, metadata)
             output.index_copy_(0, batch.token_rows, out.index_select(0, batch.real_slots))
         return output
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: PaddedBatch,
-            scale: float) -> torch.Tensor:
+            scale: float, metadata: SdpaMetadata) -> torch.Tensor:
     """One attention call over ``batch``, its query slots' rows given in ``query`` [R * num_queries,
     heads, d]; returns the output in the same layout. ``keys`` and ``values`` are the cache's rows,
     [slots * kv_heads, d]."""
@@ -212,10 +224,10 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
     q_len, k_len = batch.num_queries, batch.num_keys
     num_reqs = query.shape[0] // q_len
     if q_len == 1:
-        scores = _decode_scores(query, keys, batch, scale)
+        scores = _decode_scores(query, keys, batch, scale, metadata.scores_in_place)
         if batch.mask is not None:
             scores += batch.mask
-        out = _weighted_values(scores.softmax(dim=-1), values, batch)
+        out = _weighted_values(scores.softmax(dim=-1), values, batch, metadata.values_in_place)
         return out.to(query.dtype).view(num_reqs, num_heads, head_size)
     k = keys.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
     num_kv_heads = k.shape[1]
@@ -231,12 +243,13 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
     return out.reshape(num_reqs * q_len, num_heads, head_size)
 
 
-def _decode_scores(query: torch.Tensor, keys: torch.Tensor, batch: PaddedBatch, scale: float) -> torch.Tensor:
+def _decode_scores(query: torch.Tensor, keys: torch.Tensor, batch: PaddedBatch, scale: float,
+                   in_place: bool) -> torch.Tensor:
     """Each decode query head's scaled scores over its key slots, in fp32 whatever the model's dtype
     (as the reference backend): [R * kv_heads, group, num_keys], query head h of a request reading KV
     head h // group, so each (request, KV head) holds ``group`` rows."""
     head_size = query.shape[-1]
-    if keys.dtype == query.dtype == torch.float32 and keys.is_cpu:
+    if in_place:
         # sampled_addmm takes each dot product of a query row with a cache row where that row lies, so
         # K is never gathered into a copy, and runs no matrix call per (request, KV head), whose fixed
         # cost on CPU is most of a batched matmul's at a few query rows each.
@@ -249,10 +262,10 @@ def _decode_scores(query: torch.Tensor, keys: torch.Tensor, batch: PaddedBatch, 
     return torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scale)
 
 
-def _weighted_values(probs: torch.Tensor, values: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor, batch: PaddedBatch, in_place: bool) -> torch.Tensor:
     """Each decode query head's probability-weighted sum of its value rows, in fp32: ``probs`` is
     [R * kv_heads, group, num_keys], the result [R * heads, d]."""
-    if values.dtype == torch.float32:
+    if in_place:
         # embedding_bag reads the value rows where they lie in the cache and sums them weighted, so the
         # values are never gathered into a copy first (the batched matmul needs one).
         return F.embedding_bag(batch.value_bags, values, per_sample_weights=probs.flatten(0, 1), mode="sum")
