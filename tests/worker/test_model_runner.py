@@ -125,7 +125,7 @@ def test_a_decode_step_padded_to_a_graph_size_stages_dummies_that_write_nowhere(
 
 
 def test_graph_shapes_cover_decodes_and_short_steps_with_prefill_chunks():
-    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=100, max_model_len=256)
+    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=100)
     decode = [s.num_reqs for s in shapes if s.uniform_decode]
     mixed = [(s.num_tokens, s.num_reqs) for s in shapes if not s.uniform_decode]
     assert decode == [8, 16, 32, 48, 64]
@@ -140,12 +140,12 @@ def test_graph_shapes_cover_decodes_and_short_steps_with_prefill_chunks():
     assert graphs.shape_for(2, 101) is None and graphs.shape_for(65, 65) is None
     # Mixed graphs reach the token budget whatever the longest request; the query bound they are
     # captured with does not exceed it.
-    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=1000, max_model_len=40)
+    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=1000)
     largest = max(s for s in shapes if not s.uniform_decode)
     assert largest.num_tokens == 1000 and largest.max_query_len(40) == 40
     assert CudaGraphShape(32, 4).max_query_len(40) == 32 and CudaGraphShape(16, 16).max_query_len(40) == 1
     # One running request: a slot more for the dummy prompt.
-    shapes = cudagraph_capture_shapes(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256)
+    shapes = cudagraph_capture_shapes(max_num_seqs=1, max_num_batched_tokens=64)
     assert shapes == [CudaGraphShape(1, 1), CudaGraphShape(32, 2), CudaGraphShape(64, 2)]
 
 

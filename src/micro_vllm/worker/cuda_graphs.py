@@ -67,8 +67,7 @@ class CudaGraphShape:
         return not self.uniform_decode and num_tokens <= self.num_tokens and num_reqs < self.num_reqs
 
 
-def cudagraph_capture_shapes(max_num_seqs: int, max_num_batched_tokens: int,
-                             max_model_len: int) -> list[CudaGraphShape]:
+def cudagraph_capture_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[CudaGraphShape]:
     """The decode batch sizes (vLLM's ``cudagraph_capture_sizes``) and the mixed-step shapes that
     get a graph: steps up to these limits replay one, larger ones run eagerly."""
     # Past a few hundred decodes launch overhead is a small share of a step (vLLM stops at 512 too).
@@ -140,14 +139,13 @@ class CudaGraphs:
         self.shapes: list[CudaGraphShape] = []  # smallest first
 
     @torch.inference_mode()
-    def capture(self, model: nn.Module, buffers: InputBuffers, shapes: list[CudaGraphShape],
-                max_model_len: int) -> None:
+    def capture(self, model: nn.Module, buffers: InputBuffers, shapes: list[CudaGraphShape]) -> None:
         """Capture one graph per shape, largest first so smaller ones reuse its memory.
 
         A graph bakes in its kernels and buffer addresses, not sequence or query lengths: the
         attention backend reads those from the device, so one graph serves every step its shape
         fits."""
-        pool = None
+        pool, max_model_len = None, buffers.max_model_len
         for shape in sorted(shapes, reverse=True):
             pad_batch(buffers, 0, 0, shape)
             metadata = buffers.attention_metadata(

@@ -236,9 +236,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             warm_up(self)
         if settings.use_cuda_graphs:
-            shapes = cudagraph_capture_shapes(settings.max_num_seqs, settings.max_num_batched_tokens,
-                                              settings.max_model_len)
-            self.cuda_graphs.capture(self.model, self.buffers, shapes, settings.max_model_len)
+            shapes = cudagraph_capture_shapes(settings.max_num_seqs, settings.max_num_batched_tokens)
+            self.cuda_graphs.capture(self.model, self.buffers, shapes)
         if self.device.type == "cuda":
             warm_up_allocators(self)
 
