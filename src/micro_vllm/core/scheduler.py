@@ -268,12 +268,13 @@ class Scheduler:
             return self.all_decodes  # they all decoded before: none computes its prompt again while they run
         # A one-token step that computes a prompt's last token is no decode.
         is_decode = num_computed >= table.num_prompt_tokens[rows]
-        if all_rows and is_decode.all():
-            self.all_decodes = DecodeBatch(table.req_ids, table.req_ids)
-            return self.all_decodes
-        req_ids = tuple([r.request_id for r in requests])
-        return DecodeBatch(req_ids, req_ids if is_decode.all() else
-                           [req_ids[i] for i in np.flatnonzero(is_decode).tolist()])
+        all_decode = bool(is_decode.all())
+        req_ids = table.req_ids if all_rows else tuple([r.request_id for r in requests])
+        decode_req_ids = req_ids if all_decode else [req_ids[i] for i in np.flatnonzero(is_decode).tolist()]
+        batch = DecodeBatch(req_ids, decode_req_ids)
+        if all_rows and all_decode:
+            self.all_decodes = batch
+        return batch
 
     def _running_at(self, rows: np.ndarray) -> list[Request]:
         """The running requests at table ``rows``, which are in running order: as many rows as there
