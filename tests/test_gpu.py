@@ -313,6 +313,31 @@ def test_serving_allocates_no_memory(model_dirs):
         assert allocations() == before, "serving allocated memory after start-up"
 
 
+def test_lm_head_loads_no_kernel_after_start_up(tmp_path):
+    """The lm_head runs outside the CUDA graphs, and cuBLAS picks its matmul kernel by the number of
+    rows sampled and loads a kernel at its first launch. That load waits for the GPU, so a step
+    meeting a new row count would wait for the step before it. Start-up runs the lm_head at every row
+    count a step can sample; after it, no row count loads a kernel. The Qwen3-0.6B-shaped model (2
+    layers) gives the lm_head a real hidden size and vocabulary, whose row counts pick among several
+    kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_model import build_random_model
+
+    path = build_random_model(tmp_path / "qwen3-0.6b-2-layers", num_hidden_layers=2)
+    max_num_seqs = 48
+    with engine(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=256) as llm:
+        model = runner_of(llm).model
+        hidden = torch.randn(max_num_seqs, model.config.hidden_size, dtype=torch.bfloat16, device=DEVICE)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.inference_mode():
+            for num_rows in range(1, max_num_seqs + 1):
+                model.compute_logits(hidden[:num_rows])
+            torch.cuda.synchronize()
+        loads = [event for event in prof.events() if event.name == "Lazy Function Loading"]
+        assert not loads, f"the lm_head loaded {len(loads)} kernels after start-up"
+
+
 # -- fp32: identical to transformers -----------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """The start-up runs, apart from the step path: the profiling run that measures peak activation
 memory, the warm-up that compiles kernels, and the one that leaves the allocators ready for serving,
-all as dummy steps that read the null block and write nowhere."""
+all as dummy steps that read the null block and write nowhere; and the lm_head at every row count,
+which loads its cuBLAS kernels."""
 
 from __future__ import annotations
 
@@ -43,12 +44,26 @@ def warm_up(runner: ModelRunner) -> None:
     (each capture runs its step once first). The largest step also leaves the allocator holding
     blocks of a full step's activation sizes, so the first long prefill steps do not wait for the
     allocator; but only where no CUDA graph is captured after it, since each capture empties that
-    cache (``torch.cuda.graph``)."""
+    cache (``torch.cuda.graph``). Last, the lm_head's kernels for every row count are loaded."""
     settings = runner.settings
     dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
                                           settings.max_model_len))
     dummy_step(runner, np.array([min(settings.max_num_batched_tokens, settings.max_model_len)], np.int32))
     dummy_step(runner, np.full(min(settings.max_num_seqs, settings.max_num_batched_tokens // 2, 8), 2, np.int32))
+    load_logits_kernels(runner)
+
+
+def load_logits_kernels(runner: ModelRunner) -> None:
+    """Run the lm_head once at every row count a step can sample, 1 to ``max_num_seqs``. It runs
+    outside the CUDA graphs, and cuBLAS picks its matmul kernel by the row count and loads a kernel
+    the first time it runs it; that load waits for the GPU. Without this, a step meeting a row count
+    with a kernel not yet loaded (a prefill step's first tokens, a decode batch shrinking as requests
+    finish) would wait for the step in flight and lose async scheduling's overlap. The matmuls
+    inside the graphs loaded theirs when they were captured."""
+    hidden = torch.zeros(runner.settings.max_num_seqs, runner.model.config.hidden_size, dtype=runner.settings.dtype,
+                         device=runner.device)
+    for num_rows in range(1, len(hidden) + 1):
+        runner.model.compute_logits(hidden[:num_rows])
 
 
 @torch.inference_mode()
