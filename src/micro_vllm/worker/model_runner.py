@@ -415,7 +415,7 @@ class ModelRunner:
                                                      num_cols),
             logits_indices=logits_indices,
             sample_rows=sample_rows,
-            sampling_metadata=self._sampling_metadata(rows[sample_rows]),
+            sampling_metadata=self._sampling_metadata(rows if num_samples == num_reqs else rows[sample_rows]),
             cuda_graph_shape=graph_shape,
             prompt_logprobs=prompt_logprobs,
             prompt_logprob_targets=self.prompt_logprob_targets.copy_to_device(num_tokens) if prompt_logprobs else None,
@@ -502,10 +502,12 @@ class ModelRunner:
 
     def _sampling_settings(self, rows: np.ndarray) -> SamplingSettings:
         """The settings of ``rows``, staged and copied to the device; those of the last step when it
-        sampled the same rows and no row has changed hands since."""
+        sampled the same rows and no row has changed hands since (at once when ``rows`` is the same
+        read-only array, a ``StepRows``' of a step in which every request samples)."""
         batch = self.input_batch
         last = self.sampling_settings
-        if last is not None and last.rows_version == batch.rows_version and np.array_equal(last.rows, rows):
+        if last is not None and last.rows_version == batch.rows_version and (
+                last.rows is rows or np.array_equal(last.rows, rows)):
             return last
         n = len(rows)
         temperature = np.take(batch.temperature, rows, out=self.temperature.np[:n])
@@ -523,7 +525,8 @@ class ModelRunner:
         )
         if (np.take(batch.min_p, rows, out=self.min_p.np[:n]) > 0).any():
             metadata.min_p = self.min_p.copy_to_device(n)
-        self.sampling_settings = SamplingSettings(batch.rows_version, rows.copy(), metadata,
+        self.sampling_settings = SamplingSettings(batch.rows_version, rows if not rows.flags.writeable else rows.copy(),
+                                                  metadata,
                                                   bool(batch.uses_processors[rows].any()),
                                                   np.flatnonzero(batch.seed[rows] >= 0))
         return self.sampling_settings
