@@ -329,7 +329,7 @@ class ModelRunner:
             new_block_ids = cached.new_block_ids
             with_blocks = [i for i, block_ids in enumerate(new_block_ids) if block_ids is not None]
             if with_blocks:  # most decodes get no new block
-                batch.append_block_ids(rows[with_blocks].tolist(), [new_block_ids[i] for i in with_blocks])
+                batch.append_block_ids(rows[with_blocks], [new_block_ids[i] for i in with_blocks])
         if plan.scheduled_new_reqs:
             rows = np.concatenate([rows, np.arange(first_new_row, len(batch))])
             new_ids = tuple(new.req_id for new in plan.scheduled_new_reqs)
