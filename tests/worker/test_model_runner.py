@@ -266,13 +266,20 @@ def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_p
         settings = runner._sampling_settings(in_order)
         assert runner._sampling_settings(in_order) is settings
         assert runner._sampling_settings(swapped).metadata.temperature.tolist() == [1.0, 0.5]
+        # Rows in which no request asks for prompt logprobs are taken as such while they are the same
+        # array; other rows are looked at (here as if a request asking for them had taken row 1).
+        assert not runner._asks_prompt_logprobs(in_order)
+        assert runner.rows_without_prompt_logprobs is in_order
+        batch.num_prompt_logprobs[1] = 2
+        assert not runner._asks_prompt_logprobs(in_order) and runner._asks_prompt_logprobs(swapped)
+        batch.num_prompt_logprobs[1] = -1
 
 
 def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computation(tmp_path):
     """Through requests that finish, join and are preempted, after every step: where each row's
     token is in the step's sampled tensor (``last_sample_index``, kept from the last step when it
-    sampled the same rows) and the sampling settings (kept likewise), as computed anew; and some
-    steps did keep them."""
+    sampled the same rows), the sampling settings (kept likewise) and whether a row asks for prompt
+    logprobs (kept for the same rows once none asked), as computed anew; and some steps did keep them."""
     path = make_tiny_model("qwen3", tmp_path)
     llm = LLM(model=str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=3,
               max_num_batched_tokens=16, block_size=4, num_blocks=14)
@@ -295,11 +302,19 @@ def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computat
             assert settings.rows_version == batch.rows_version
             assert np.array_equal(settings.rows, newest.batch_rows)
             assert np.array_equal(settings.metadata.temperature.numpy(), batch.temperature[newest.batch_rows])
+        # Rows taken for asking no prompt logprobs ask for none (some requests here ask).
+        rows = runner.step_rows.rows
+        if rows is runner.rows_without_prompt_logprobs:
+            log["no prompt logprobs kept"] += 1
+            assert (batch.num_prompt_logprobs[rows] < 0).all()
         return output
 
     runner.execute_model = checked_execute
     prompts = [[(i * 13 + j * 5) % 250 for j in range(6 + 3 * i)] for i in range(6)]
-    params = [SamplingParams(max_tokens=4 + 5 * i, temperature=0.1 * i, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(max_tokens=4 + 5 * i, temperature=0.1 * i, ignore_eos=True,
+                             prompt_logprobs=1 if i % 3 == 1 else None) for i in range(6)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
-    assert log["preempted"] and log["kept"] > 10 and log["settings kept"] > 10
+    # vLLM's layout: None for the first prompt token, then one entry per prompt token.
+    assert [len(o.prompt_logprobs or ()) for o in outputs] == [len(p) * (i % 3 == 1) for i, p in enumerate(prompts)]
+    assert log["preempted"] and log["kept"] > 10 and log["settings kept"] > 10 and log["no prompt logprobs kept"] > 5

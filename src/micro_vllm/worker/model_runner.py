@@ -185,6 +185,7 @@ class ModelRunner:
         self.last_output: DeviceStepOutput | None = None  # the step launched last
         self.sampling_settings: SamplingSettings | None = None  # those of the rows the last step sampled
         self.step_rows: StepRows | None = None  # the rows of the last step's requests
+        self.rows_without_prompt_logprobs: np.ndarray | None = None  # read-only step rows none of which asks
         self.unapplied: list[DeviceStepOutput] = []  # launched steps whose tokens token_ids lacks
 
     # -- set-up --------------------------------------------------------------------------------
@@ -394,7 +395,7 @@ class ModelRunner:
             np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
             logits_indices = self.logits_indices.copy_to_device(num_samples)
         prompt_logprobs = []
-        if (batch.num_prompt_logprobs[rows] >= 0).any():
+        if self._asks_prompt_logprobs(rows):
             prompt_logprobs = self._plan_prompt_logprobs(req_ids, rows, query_start_loc, num_computed, num_scheduled)
         graph_shape = self.cuda_graphs.shape_for(num_reqs, num_tokens)
         padded_reqs, padded_tokens = num_reqs, num_tokens
@@ -424,6 +425,19 @@ class ModelRunner:
         if self.copies_done is not None:
             self.copies_done.record()
         return inputs
+
+    def _asks_prompt_logprobs(self, rows: np.ndarray) -> bool:
+        """Whether a request at the batch ``rows`` still asks for prompt logprobs. A row stops asking
+        when its prompt is done and asks only from when a request takes it, which changes a step's
+        rows: read-only rows (a ``StepRows``', the same while its requests hold them) in which none
+        asked ask for none while they last."""
+        if rows is self.rows_without_prompt_logprobs:
+            return False
+        if (self.input_batch.num_prompt_logprobs[rows] >= 0).any():
+            return True
+        if not rows.flags.writeable:
+            self.rows_without_prompt_logprobs = rows
+        return False
 
     def _plan_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, query_start_loc: np.ndarray,
                               num_computed: np.ndarray, num_scheduled: np.ndarray) -> list[PromptLogprobsSlice]:
