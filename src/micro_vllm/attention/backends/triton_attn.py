@@ -520,7 +520,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             return TritonAttentionMetadata(common)
         seq_lens = common.seq_lens_cpu.numpy()
         keeping_order = self.seq_lens_keeping_order[:num_reqs]
-        if num_reqs != self.num_reqs_keeping_order or not (seq_lens == keeping_order).all():
+        # Both int32: equal bytes are equal lengths, compared in one call instead of a comparison and a reduction.
+        if num_reqs != self.num_reqs_keeping_order or seq_lens.tobytes() != keeping_order.tobytes():
             self.decode_order.np[:num_reqs] = np.argsort(-seq_lens, kind="stable")
         np.add(seq_lens, seq_lens != 1, out=keeping_order)
         self.num_reqs_keeping_order = num_reqs
