@@ -12,6 +12,7 @@ fetched them.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import compress
 
 import numpy as np
 import torch
@@ -328,7 +329,8 @@ class ModelRunner:
         if cached.req_ids:
             batch.num_computed_tokens[rows] = np.fromiter(cached.num_computed_tokens, np.int32, len(rows))
             new_block_ids = cached.new_block_ids
-            with_blocks = [i for i, block_ids in enumerate(new_block_ids) if block_ids is not None]
+            # A request's BlockIds holds a tuple per group, so it is never empty: only None is false.
+            with_blocks = list(compress(range(len(new_block_ids)), new_block_ids))
             if with_blocks:  # most decodes get no new block
                 batch.append_block_ids(rows[with_blocks], [new_block_ids[i] for i in with_blocks])
         if plan.scheduled_new_reqs:
