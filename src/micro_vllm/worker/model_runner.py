@@ -474,12 +474,15 @@ class ModelRunner:
         (most decode steps), the device copies them over and the host stages nothing."""
         buffers, batch = self.buffers, self.input_batch
         last = self.last_output
-        src = batch.last_sample_index[rows] if last is not None and last in self.unapplied else None
-        if (src is not None and num_tokens == len(rows) == padded_tokens
-                and (self._last_step_sampled(rows) or np.array_equal(src, self.arange[:num_tokens]))):
-            input_ids = buffers.input_ids.device[:num_tokens]
-            input_ids.copy_(last.sampled[:num_tokens])
+        unseen = last is not None and last in self.unapplied  # the host has not seen its tokens
+        if (unseen and num_tokens == len(rows) == padded_tokens
+                and (self._last_step_sampled(rows)
+                     or np.array_equal(batch.last_sample_index[rows], self.arange[:num_tokens]))):
+            input_ids = buffers.input_ids.device_rows(num_tokens)
+            sampled = last.sampled
+            input_ids.copy_(sampled if len(sampled) == num_tokens else sampled[:num_tokens])
             return input_ids
+        src = batch.last_sample_index[rows] if unseen else None
         # Tokens sampled by a step whose output the host has not read yet are garbage here; they are
         # overwritten on the device from that step's sampled tensor below.
         buffers.input_ids.np[:num_tokens] = batch.token_ids[rows[req_of_token], positions]
