@@ -544,8 +544,8 @@ class ModelRunner:
         )
         if (np.take(batch.min_p, rows, out=self.min_p.np[:n]) > 0).any():
             metadata.min_p = self.min_p.copy_to_device(n)
-        self.sampling_settings = SamplingSettings(batch.rows_version, rows if not rows.flags.writeable else rows.copy(),
-                                                  metadata,
+        kept_rows = rows if not rows.flags.writeable else rows.copy()  # a StepRows' array is never written
+        self.sampling_settings = SamplingSettings(batch.rows_version, kept_rows, metadata,
                                                   bool(batch.uses_processors[rows].any()),
                                                   np.flatnonzero(batch.seed[rows] >= 0))
         return self.sampling_settings
