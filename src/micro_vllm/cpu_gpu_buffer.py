@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -18,14 +20,51 @@ class CpuGpuBuffer:
         self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
         self.np = self.cpu.numpy()
         self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
+        self._views: _Views | None = None  # those of the last call
 
     def copy_to_device(self, n: int, cols: int | None = None) -> torch.Tensor:
         """Copy the first ``n`` rows (of a 2-D buffer, only their first ``cols`` columns) and return
         the device rows."""
-        if self.device is not self.cpu:
-            index = (slice(n),) if cols is None else (slice(n), slice(cols))
-            self.device[index].copy_(self.cpu[index], non_blocking=True)
-        return self.device[:n]
+        views = self._views_of(n, cols)
+        if views.copied_device is not None:
+            views.copied_device.copy_(views.copied_host, non_blocking=True)
+        return views.device
+
+    def device_rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows on the device, for a step that fills them there (nothing is copied)."""
+        return self._views_of(n, None).device
+
+    def host_rows(self, n: int, cols: int | None = None) -> torch.Tensor:
+        """The first ``n`` rows on the host (``cols`` as for the copy that goes with them)."""
+        return self._views_of(n, cols).host
+
+    def _views_of(self, n: int, cols: int | None) -> _Views:
+        """The views of the first ``n`` rows: the last call's while ``n`` and ``cols`` repeat (the
+        steps of one batch stage the same rows, and each slice is a torch call)."""
+        views = self._views
+        if views is None or views.n != n or views.cols != cols:
+            host = self.cpu[:n]
+            if self.device is self.cpu:
+                views = _Views(n, cols, host, host, None, None)
+            elif cols is None:
+                device = self.device[:n]
+                views = _Views(n, cols, host, device, host, device)
+            else:
+                views = _Views(n, cols, host, self.device[:n], self.cpu[:n, :cols], self.device[:n, :cols])
+            self._views = views
+        return views
+
+
+@dataclass(frozen=True)
+class _Views:
+    """A buffer's first ``n`` rows on both sides, and the part of them a copy moves (None on CPU)."""
+
+    n: int
+    cols: int | None
+    host: torch.Tensor
+    device: torch.Tensor
+    copied_host: torch.Tensor | None
+    copied_device: torch.Tensor | None
 
 
 def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:

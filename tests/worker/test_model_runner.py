@@ -45,6 +45,29 @@ def test_staged_buffer_copies_only_the_used_columns_of_a_table():
     assert (rows[:, 2:] == -1).all() and (buffer.device[3] == -1).all()
 
 
+def test_staged_buffer_copies_again_when_a_step_stages_the_same_rows():
+    """The views of the last call serve the next call of the same shape: the copy is still made, and
+    another shape gets its own rows."""
+    buffer = _with_separate_twin(4, 6)
+    buffer.np[:] = torch.arange(24).reshape(4, 6).numpy()
+    first = buffer.copy_to_device(2, cols=3)
+    buffer.np[:] += 100
+    assert buffer.copy_to_device(2, cols=3) is first
+    assert first[:, :3].tolist() == [[100, 101, 102], [106, 107, 108]]
+    assert buffer.host_rows(2, cols=3).tolist() == buffer.np[:2].tolist()
+    rows = buffer.copy_to_device(2, cols=4)  # one column more
+    assert rows[:, :4].tolist() == buffer.np[:2, :4].tolist() and (rows[:, 4:] == -1).all()
+    rows = buffer.copy_to_device(3, cols=4)
+    assert rows.shape == (3, 6) and rows[:, :4].tolist() == buffer.np[:3, :4].tolist()
+    assert (rows[:, 4:] == -1).all() and buffer.copy_to_device(2).tolist() == buffer.np[:2].tolist()
+    assert buffer.host_rows(1).tolist() == [buffer.np[0].tolist()]
+    on_device = buffer.device.clone()
+    buffer.np[:] += 1
+    device = buffer.device_rows(3)  # the device rows alone: nothing is copied
+    assert device.data_ptr() == buffer.device.data_ptr() and device.shape == (3, 6)
+    assert torch.equal(buffer.device, on_device)
+
+
 @given(st.integers(1, 1100), st.integers(1, 20_000), st.integers(1, 5000))
 def test_profile_step_is_the_largest_step_the_scheduler_can_plan(max_num_seqs, budget, max_model_len):
     query_lens = profile_query_lens(max_num_seqs, budget, max_model_len)
@@ -242,12 +265,26 @@ def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_p
         assert runner.sampling_settings is settings
         assert batch.token_ids[batch.row_of["c"], 2] == sampled["c"][0]
         assert batch.token_ids[batch.row_of["b"], 5] == sampled["b"][0]
+        # A step's read-only rows (every request samples) are reused as they are; other rows are not.
+        in_order, swapped = np.array([0, 1]), np.array([1, 0])
+        in_order.flags.writeable = swapped.flags.writeable = False
+        settings = runner._sampling_settings(in_order)
+        assert runner._sampling_settings(in_order) is settings
+        assert runner._sampling_settings(swapped).metadata.temperature.tolist() == [1.0, 0.5]
+        # Rows in which no request asks for prompt logprobs are taken as such while they are the same
+        # array; other rows are looked at (here as if a request asking for them had taken row 1).
+        assert not runner._asks_prompt_logprobs(in_order)
+        assert runner.rows_without_prompt_logprobs is in_order
+        batch.num_prompt_logprobs[1] = 2
+        assert not runner._asks_prompt_logprobs(in_order) and runner._asks_prompt_logprobs(swapped)
+        batch.num_prompt_logprobs[1] = -1
 
 
 def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computation(tmp_path):
     """Through requests that finish, join and are preempted, after every step: where each row's
     token is in the step's sampled tensor (``last_sample_index``, kept from the last step when it
-    sampled the same rows), as computed anew; and some steps did keep it."""
+    sampled the same rows), the sampling settings (kept likewise) and whether a row asks for prompt
+    logprobs (kept for the same rows once none asked), as computed anew; and some steps did keep them."""
     path = make_tiny_model("qwen3", tmp_path)
     llm = LLM(model=str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=3,
               max_num_batched_tokens=16, block_size=4, num_blocks=14)
@@ -256,7 +293,7 @@ def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computat
 
     def checked_execute(plan):
         log["preempted"] += len(plan.preempted_req_ids)
-        last = runner.last_output
+        last, last_settings = runner.last_output, runner.sampling_settings
         output = execute(plan)
         batch, newest = runner.input_batch, runner.last_output
         if newest is output:
@@ -264,11 +301,25 @@ def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computat
             expected = np.full(len(batch), -1)
             expected[newest.batch_rows] = np.arange(len(newest.batch_rows))
             assert np.array_equal(batch.last_sample_index[: len(batch)], expected)
+            # The sampling settings are those of the rows that sampled, reused or not.
+            settings = runner.sampling_settings
+            log["settings kept"] += settings is last_settings
+            assert settings.rows_version == batch.rows_version
+            assert np.array_equal(settings.rows, newest.batch_rows)
+            assert np.array_equal(settings.metadata.temperature.numpy(), batch.temperature[newest.batch_rows])
+        # Rows taken for asking no prompt logprobs ask for none (some requests here ask).
+        rows = runner.step_rows.rows
+        if rows is runner.rows_without_prompt_logprobs:
+            log["no prompt logprobs kept"] += 1
+            assert (batch.num_prompt_logprobs[rows] < 0).all()
         return output
 
     runner.execute_model = checked_execute
     prompts = [[(i * 13 + j * 5) % 250 for j in range(6 + 3 * i)] for i in range(6)]
-    params = [SamplingParams(max_tokens=4 + 5 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(max_tokens=4 + 5 * i, temperature=0.1 * i, ignore_eos=True,
+                             prompt_logprobs=1 if i % 3 == 1 else None) for i in range(6)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
-    assert log["preempted"] and log["kept"] > 10
+    # vLLM's layout: None for the first prompt token, then one entry per prompt token.
+    assert [len(o.prompt_logprobs or ()) for o in outputs] == [len(p) * (i % 3 == 1) for i, p in enumerate(prompts)]
+    assert log["preempted"] and log["kept"] > 10 and log["settings kept"] > 10 and log["no prompt logprobs kept"] > 5

@@ -123,7 +123,7 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         for group_id in range(len(self.block_tables)):
             self.num_blocks[group_id][row] = 0
-        self.append_block_ids([row], [new.block_ids])
+        self.append_block_ids(np.array([row]), [new.block_ids])
         params = new.sampling_params
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k if params.top_k > 0 else 0
@@ -149,11 +149,17 @@ class InputBatch:
             return -1
         return self.vocab_size if requested == -1 else requested
 
-    def append_block_ids(self, rows: list[int], block_ids: list[BlockIds]) -> None:
+    def append_block_ids(self, rows: np.ndarray, block_ids: list[BlockIds]) -> None:
         """Append each row's new blocks (``block_ids[i]``, one tuple per KV cache group, to
-        ``rows[i]``) to its block tables."""
+        ``rows[i]``, distinct rows) to its block tables."""
         for table, count, ids_of_rows in zip(self.block_tables, self.num_blocks, zip(*block_ids)):
-            for row, ids in zip(rows, ids_of_rows):
+            if len(rows) > 1 and set(map(len, ids_of_rows)) == {1}:
+                # One block each (decodes that filled a block): in one scatter, not a call per row.
+                start = count[rows]
+                table[rows, start] = [ids[0] for ids in ids_of_rows]
+                count[rows] = start + 1
+                continue
+            for row, ids in zip(rows.tolist(), ids_of_rows):
                 if ids:
                     start = int(count[row])
                     table[row, start : start + len(ids)] = ids

@@ -60,8 +60,8 @@ class InputBuffers:
                 seq_lens=seq_lens,
                 block_table=block_table.copy_to_device(num_reqs, num_cols),
                 slot_mapping=slot_mapping.copy_to_device(num_tokens),
-                query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
-                seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+                query_start_loc_cpu=self.query_start_loc.host_rows(num_reqs + 1),
+                seq_lens_cpu=self.seq_lens.host_rows(num_reqs),
             ))
             for builder, block_table, slot_mapping in zip(self.builders, self.block_tables, self.slot_mappings)
         ]

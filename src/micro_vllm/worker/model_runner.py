@@ -12,6 +12,7 @@ fetched them.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import compress
 
 import numpy as np
 import torch
@@ -185,6 +186,7 @@ class ModelRunner:
         self.last_output: DeviceStepOutput | None = None  # the step launched last
         self.sampling_settings: SamplingSettings | None = None  # those of the rows the last step sampled
         self.step_rows: StepRows | None = None  # the rows of the last step's requests
+        self.rows_without_prompt_logprobs: np.ndarray | None = None  # read-only step rows none of which asks
         self.unapplied: list[DeviceStepOutput] = []  # launched steps whose tokens token_ids lacks
 
     # -- set-up --------------------------------------------------------------------------------
@@ -327,9 +329,10 @@ class ModelRunner:
         if cached.req_ids:
             batch.num_computed_tokens[rows] = np.fromiter(cached.num_computed_tokens, np.int32, len(rows))
             new_block_ids = cached.new_block_ids
-            with_blocks = [i for i, block_ids in enumerate(new_block_ids) if block_ids is not None]
+            # A request's BlockIds holds a tuple per group, so it is never empty: only None is false.
+            with_blocks = list(compress(range(len(new_block_ids)), new_block_ids))
             if with_blocks:  # most decodes get no new block
-                batch.append_block_ids(rows[with_blocks].tolist(), [new_block_ids[i] for i in with_blocks])
+                batch.append_block_ids(rows[with_blocks], [new_block_ids[i] for i in with_blocks])
         if plan.scheduled_new_reqs:
             rows = np.concatenate([rows, np.arange(first_new_row, len(batch))])
             new_ids = tuple(new.req_id for new in plan.scheduled_new_reqs)
@@ -394,7 +397,7 @@ class ModelRunner:
             np.subtract(query_start_loc[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
             logits_indices = self.logits_indices.copy_to_device(num_samples)
         prompt_logprobs = []
-        if (batch.num_prompt_logprobs[rows] >= 0).any():
+        if self._asks_prompt_logprobs(rows):
             prompt_logprobs = self._plan_prompt_logprobs(req_ids, rows, query_start_loc, num_computed, num_scheduled)
         graph_shape = self.cuda_graphs.shape_for(num_reqs, num_tokens)
         padded_reqs, padded_tokens = num_reqs, num_tokens
@@ -415,7 +418,7 @@ class ModelRunner:
                                                      num_cols),
             logits_indices=logits_indices,
             sample_rows=sample_rows,
-            sampling_metadata=self._sampling_metadata(rows[sample_rows]),
+            sampling_metadata=self._sampling_metadata(rows if num_samples == num_reqs else rows[sample_rows]),
             cuda_graph_shape=graph_shape,
             prompt_logprobs=prompt_logprobs,
             prompt_logprob_targets=self.prompt_logprob_targets.copy_to_device(num_tokens) if prompt_logprobs else None,
@@ -424,6 +427,19 @@ class ModelRunner:
         if self.copies_done is not None:
             self.copies_done.record()
         return inputs
+
+    def _asks_prompt_logprobs(self, rows: np.ndarray) -> bool:
+        """Whether a request at the batch ``rows`` still asks for prompt logprobs. A row stops asking
+        when its prompt is done and asks only from when a request takes it, which changes a step's
+        rows: read-only rows (a ``StepRows``', the same while its requests hold them) in which none
+        asked ask for none while they last."""
+        if rows is self.rows_without_prompt_logprobs:
+            return False
+        if (self.input_batch.num_prompt_logprobs[rows] >= 0).any():
+            return True
+        if not rows.flags.writeable:
+            self.rows_without_prompt_logprobs = rows
+        return False
 
     def _plan_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, query_start_loc: np.ndarray,
                               num_computed: np.ndarray, num_scheduled: np.ndarray) -> list[PromptLogprobsSlice]:
@@ -458,12 +474,15 @@ class ModelRunner:
         (most decode steps), the device copies them over and the host stages nothing."""
         buffers, batch = self.buffers, self.input_batch
         last = self.last_output
-        src = batch.last_sample_index[rows] if last is not None and last in self.unapplied else None
-        if (src is not None and num_tokens == len(rows) == padded_tokens
-                and (self._last_step_sampled(rows) or np.array_equal(src, self.arange[:num_tokens]))):
-            input_ids = buffers.input_ids.device[:num_tokens]
-            input_ids.copy_(last.sampled[:num_tokens])
+        unseen = last is not None and last in self.unapplied  # the host has not seen its tokens
+        if (unseen and num_tokens == len(rows) == padded_tokens
+                and (self._last_step_sampled(rows)
+                     or np.array_equal(batch.last_sample_index[rows], self.arange[:num_tokens]))):
+            input_ids = buffers.input_ids.device_rows(num_tokens)
+            sampled = last.sampled
+            input_ids.copy_(sampled if len(sampled) == num_tokens else sampled[:num_tokens])
             return input_ids
+        src = batch.last_sample_index[rows] if unseen else None
         # Tokens sampled by a step whose output the host has not read yet are garbage here; they are
         # overwritten on the device from that step's sampled tensor below.
         buffers.input_ids.np[:num_tokens] = batch.token_ids[rows[req_of_token], positions]
@@ -502,10 +521,12 @@ class ModelRunner:
 
     def _sampling_settings(self, rows: np.ndarray) -> SamplingSettings:
         """The settings of ``rows``, staged and copied to the device; those of the last step when it
-        sampled the same rows and no row has changed hands since."""
+        sampled the same rows and no row has changed hands since (at once when ``rows`` is the same
+        read-only array, a ``StepRows``' of a step in which every request samples)."""
         batch = self.input_batch
         last = self.sampling_settings
-        if last is not None and last.rows_version == batch.rows_version and np.array_equal(last.rows, rows):
+        if last is not None and last.rows_version == batch.rows_version and (
+                last.rows is rows or np.array_equal(last.rows, rows)):
             return last
         n = len(rows)
         temperature = np.take(batch.temperature, rows, out=self.temperature.np[:n])
@@ -523,7 +544,8 @@ class ModelRunner:
         )
         if (np.take(batch.min_p, rows, out=self.min_p.np[:n]) > 0).any():
             metadata.min_p = self.min_p.copy_to_device(n)
-        self.sampling_settings = SamplingSettings(batch.rows_version, rows.copy(), metadata,
+        kept_rows = rows if not rows.flags.writeable else rows.copy()  # a StepRows' array is never written
+        self.sampling_settings = SamplingSettings(batch.rows_version, kept_rows, metadata,
                                                   bool(batch.uses_processors[rows].any()),
                                                   np.flatnonzero(batch.seed[rows] >= 0))
         return self.sampling_settings

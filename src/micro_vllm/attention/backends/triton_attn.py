@@ -505,8 +505,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         # The context lengths of a decode step that keeps the staged order: those it was sorted for,
         # each one longer (adding the same to every length changes no comparison, ties included),
         # except rows of length 1, which stay 1: a decode batch padded to a CUDA graph's size pads
-        # with such rows, and they stay tied below every other row.
-        self.seq_lens_keeping_order = np.empty(0, np.int32)
+        # with such rows, and they stay tied below every other row. Only the first
+        # ``num_reqs_keeping_order`` entries are those lengths.
+        self.seq_lens_keeping_order = np.empty(self.max_num_reqs, np.int32)
+        self.num_reqs_keeping_order = 0
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """A decode step (one token per request) gets its requests ordered longest context first.
@@ -517,9 +519,12 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         if common.num_actual_tokens != num_reqs:
             return TritonAttentionMetadata(common)
         seq_lens = common.seq_lens_cpu.numpy()
-        if not np.array_equal(seq_lens, self.seq_lens_keeping_order):
+        keeping_order = self.seq_lens_keeping_order[:num_reqs]
+        # Both int32: equal bytes are equal lengths, compared in one call instead of a comparison and a reduction.
+        if num_reqs != self.num_reqs_keeping_order or seq_lens.tobytes() != keeping_order.tobytes():
             self.decode_order.np[:num_reqs] = np.argsort(-seq_lens, kind="stable")
-        self.seq_lens_keeping_order = np.where(seq_lens == 1, 1, seq_lens + 1)
+        np.add(seq_lens, seq_lens != 1, out=keeping_order)
+        self.num_reqs_keeping_order = num_reqs
         return TritonAttentionMetadata(common, self.decode_order.copy_to_device(num_reqs))
 
 
