@@ -45,6 +45,12 @@ def _round(x, DTYPE: tl.constexpr):
     return y
 
 
+def _mean_by_division(x: torch.Tensor) -> bool:
+    """The ``MEAN_BY_DIVISION`` of a launch on ``x``'s device: how PyTorch's RMSNorm takes its mean there
+    (``_inv_rms``)."""
+    return x.device.type == "cpu"
+
+
 @triton.jit
 def _inv_rms(sum_sq, eps, N: tl.constexpr, MEAN_BY_DIVISION: tl.constexpr):
     """``1 / sqrt(sum_sq / N + eps)`` with the mean PyTorch's RMSNorm computes on each device."""
@@ -155,7 +161,7 @@ def rms_norm(
             BLOCK_N=block_n,
             ROWS=block_rows,
             HAS_RESIDUAL=residual is not None,
-            MEAN_BY_DIVISION=x.device.type == "cpu",
+            MEAN_BY_DIVISION=_mean_by_division(x),
             num_warps=_num_warps(block_rows * block_n),
             enable_fp_fusion=False,
         )
@@ -278,7 +284,7 @@ def qk_norm(
             key.stride(0),
             **heads,
             BLOCK_D=block_d,
-            MEAN_BY_DIVISION=query.device.type == "cpu",
+            MEAN_BY_DIVISION=_mean_by_division(query),
             num_warps=_num_warps(heads["Q_HEADS_PAD"] * block_d),
             enable_fp_fusion=False,
         )
@@ -445,7 +451,7 @@ def _rotary(
             **heads,
             HALF_PAD=half_pad,
             QK_NORM=qk_norms is not None,
-            MEAN_BY_DIVISION=query.device.type == "cpu",
+            MEAN_BY_DIVISION=_mean_by_division(query),
             num_warps=_num_warps(heads["Q_HEADS_PAD"] * half_pad),
             enable_fp_fusion=False,
         )
