@@ -30,9 +30,11 @@ class InputBuffers:
         self.seq_lens = staged(max_num_reqs)
         self.block_tables = [staged(max_num_reqs, max_blocks) for _ in groups]
         self.slot_mappings = [staged(max_num_tokens, dtype=torch.int64) for _ in groups]
+        # A group's layers share their heads and cache dtype: its first layer tells them.
+        first_layers = [layers[group.layer_indices[0]] for group in groups]
         self.builders = [
             backend.builder_cls(group.spec, layer.num_heads, block_size, max_num_reqs, device, layer.kv_cache.dtype)
-            for group, layer in ((group, layers[group.layer_indices[0]]) for group in groups)
+            for group, layer in zip(groups, first_layers)
         ]
         self.layer_group = [0] * len(layers)  # decoder layer -> its KV cache group
         for group_id, group in enumerate(groups):
