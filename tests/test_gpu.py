@@ -313,29 +313,44 @@ def test_serving_allocates_no_memory(model_dirs):
         assert allocations() == before, "serving allocated memory after start-up"
 
 
-def test_lm_head_loads_no_kernel_after_start_up(tmp_path):
-    """The lm_head runs outside the CUDA graphs, and cuBLAS picks its matmul kernel by the number of
-    rows sampled and loads a kernel at its first launch. That load waits for the GPU, so a step
-    meeting a new row count would wait for the step before it. Start-up runs the lm_head at every row
-    count a step can sample; after it, no row count loads a kernel. The Qwen3-0.6B-shaped model (2
-    layers) gives the lm_head a real hidden size and vocabulary, whose row counts pick among several
-    kernels."""
+def test_serving_loads_no_kernel_after_start_up(tmp_path):
+    """A kernel's first launch in a process loads it, and the load waits for the GPU, so a step meeting
+    a kernel not yet loaded waits for the step before it and async scheduling loses its overlap. The
+    graphs load their kernels at capture; start-up runs what a step launches outside them. After it,
+    serving loads nothing: prompts chunked beside decodes (the merge of the last step's tokens),
+    decode batches shrinking by a request a step, each route a sampling batch takes, and the lm_head
+    at every row count (cuBLAS picks its kernel by the rows). The Qwen3-0.6B-shaped model (2 layers)
+    gives the lm_head its real hidden size and vocabulary."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench_model import build_random_model
 
     path = build_random_model(tmp_path / "qwen3-0.6b-2-layers", num_hidden_layers=2)
     max_num_seqs = 48
+    prompts = _prompts([10 + 4 * i for i in range(max_num_seqs)], seed=9)  # prompt + output within MAX_MODEL_LEN
+    routes = [dict(top_k=20, top_p=0.9), dict(top_p=0.9), dict(top_k=20), {}, dict(temperature=0)]
+    mixed = [SamplingParams(**{"temperature": 0.8, **routes[i % len(routes)]}, max_tokens=1 + i, ignore_eos=True)
+             for i in range(max_num_seqs)]  # one request finishes each step
+    batches = [mixed] + [[SamplingParams(**{"temperature": 0.8, **route}, max_tokens=4, ignore_eos=True)] * size
+                         for route in routes for size in (1, 6)]  # each route alone
     with engine(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=256) as llm:
         model = runner_of(llm).model
         hidden = torch.randn(max_num_seqs, model.config.hidden_size, dtype=torch.bfloat16, device=DEVICE)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.inference_mode():
-            for num_rows in range(1, max_num_seqs + 1):
-                model.compute_logits(hidden[:num_rows])
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for params in batches:
+                llm.generate(prompts[: len(params)], params, use_tqdm=False)
+            with torch.inference_mode():
+                for num_rows in range(1, max_num_seqs + 1):
+                    model.compute_logits(hidden[:num_rows])
             torch.cuda.synchronize()
-        loads = [event for event in prof.events() if event.name == "Lazy Function Loading"]
-        assert not loads, f"the lm_head loaded {len(loads)} kernels after start-up"
+    events = list(prof.events())
+    ops = [event for event in events if event.name.startswith("aten::")]
+    loaded_by = []  # the innermost aten op around each load: what launched the kernel
+    for load in (event for event in events if event.name == "Lazy Function Loading"):
+        around = [op for op in ops if op.time_range.start <= load.time_range.start <= op.time_range.end]
+        loaded_by.append(max(around, key=lambda op: op.time_range.start).name if around else "?")
+    assert not loaded_by, f"serving loaded {len(loaded_by)} kernels after start-up, in {loaded_by}"
 
 
 # -- fp32: identical to transformers -----------------------------------------------------------

@@ -84,9 +84,11 @@ def test_a_row_keeps_the_same_tokens_alone_and_in_a_batch():
         assert torch.equal(apply_top_k_top_p(logits[:rows], top_k[:rows], top_p[:rows], bound)[0], alone[0])
 
 
-def test_max_top_k_is_the_largest_top_k_while_every_top_p_row_has_one():
+def test_max_top_k_is_the_largest_top_k_rounded_up_while_every_top_p_row_has_one():
+    """Rounded up to a power of two: the counts start-up loads topk's kernels for."""
     top_k = np.array([0, 4, 30], np.int32)
-    assert max_top_k(top_k, np.array([1.0, 0.5, 1.0], np.float32)) == 30
+    assert max_top_k(top_k, np.array([1.0, 0.5, 1.0], np.float32)) == 32
+    assert [max_top_k(np.array([k], np.int32), np.ones(1, np.float32)) for k in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
     assert max_top_k(top_k, np.array([0.9, 0.5, 1.0], np.float32)) is None
     assert max_top_k(np.zeros(3, np.int32), np.ones(3, np.float32)) is None
 
@@ -130,10 +132,10 @@ def test_top_candidates_keep_what_sorted_rows_keep_at_the_benchmark_shape():
     top_k[::5], top_p[::5] = 0, 1.0  # rows without a filter
     top_p[1::5] = 1.0  # top-k alone
     bound = max_top_k(top_k.cpu().numpy(), top_p.cpu().numpy())
-    assert bound == int(top_k.max())
+    assert int(top_k.max()) <= bound < 2 * int(top_k.max())
     candidates = apply_top_k_top_p(logits, top_k, top_p, bound).isfinite()
-    # Whatever the number of candidates (another row's larger top-k), the same tokens.
-    for other_bound in (2000, None):
+    # Whatever the number of candidates (the largest top-k itself, another row's larger one), the same tokens.
+    for other_bound in (int(top_k.max()), 2000, None):
         assert torch.equal(candidates, apply_top_k_top_p(logits, top_k, top_p, other_bound).isfinite())
     assert candidates[::5].all() and (candidates[1::5].sum(dim=-1) >= top_k[1::5]).all()
 

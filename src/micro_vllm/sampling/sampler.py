@@ -58,11 +58,14 @@ class SamplerOutput:
 
 def max_top_k(top_k: np.ndarray, top_p: np.ndarray) -> int | None:
     """How many top candidates hold every kept set of the rows with these settings (host arrays):
-    the largest ``top_k`` when every row that uses top-p also uses top-k; None when a row's top-p
-    nucleus may reach anywhere in the vocabulary (its row must be sorted whole)."""
+    the largest ``top_k`` rounded up to a power of two when every row that uses top-p also uses top-k;
+    None when a row's top-p nucleus may reach anywhere in the vocabulary (its row must be sorted
+    whole). Extra candidates change no row's kept set (``apply_top_k_top_p``), and the rounding keeps
+    the counts few: ``topk`` launches other kernels for other counts, and start-up loads those of
+    each (``dummy_run.load_eager_kernels``)."""
     if not top_k.any() or not top_k[top_p < 1].all():
         return None
-    return int(top_k.max())
+    return 1 << (int(top_k.max()) - 1).bit_length()
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,

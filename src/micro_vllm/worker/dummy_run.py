@@ -1,7 +1,7 @@
 """The start-up runs, apart from the step path: the profiling run that measures peak activation
 memory, the warm-up that compiles kernels, and the one that leaves the allocators ready for serving,
-all as dummy steps that read the null block and write nowhere; and the lm_head at every row count,
-which loads its cuBLAS kernels."""
+all as dummy steps that read the null block and write nowhere; and the run of what a step launches
+outside its CUDA graph, which loads those kernels."""
 
 from __future__ import annotations
 
@@ -44,26 +44,50 @@ def warm_up(runner: ModelRunner) -> None:
     (each capture runs its step once first). The largest step also leaves the allocator holding
     blocks of a full step's activation sizes, so the first long prefill steps do not wait for the
     allocator; but only where no CUDA graph is captured after it, since each capture empties that
-    cache (``torch.cuda.graph``). Last, the lm_head's kernels for every row count are loaded."""
+    cache (``torch.cuda.graph``). Last, the kernels steps launch outside their graphs are loaded."""
     settings = runner.settings
     dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
                                           settings.max_model_len))
     dummy_step(runner, np.array([min(settings.max_num_batched_tokens, settings.max_model_len)], np.int32))
     dummy_step(runner, np.full(min(settings.max_num_seqs, settings.max_num_batched_tokens // 2, 8), 2, np.int32))
-    load_logits_kernels(runner)
+    load_eager_kernels(runner)
 
 
-def load_logits_kernels(runner: ModelRunner) -> None:
-    """Run the lm_head once at every row count a step can sample, 1 to ``max_num_seqs``. It runs
-    outside the CUDA graphs, and cuBLAS picks its matmul kernel by the row count and loads a kernel
-    the first time it runs it; that load waits for the GPU. Without this, a step meeting a row count
-    with a kernel not yet loaded (a prefill step's first tokens, a decode batch shrinking as requests
-    finish) would wait for the step in flight and lose async scheduling's overlap. The matmuls
-    inside the graphs loaded theirs when they were captured."""
-    hidden = torch.zeros(runner.settings.max_num_seqs, runner.model.config.hidden_size, dtype=runner.settings.dtype,
-                         device=runner.device)
+def load_eager_kernels(runner: ModelRunner) -> None:
+    """Run once each kernel a step launches outside its CUDA graph: the first launch of a kernel in a
+    process loads it, and the load waits for the GPU, so a step meeting a kernel not yet loaded would
+    wait for the step in flight and lose async scheduling's overlap (the graphs loaded theirs when
+    they were captured). What runs outside:
+
+    * the lm_head, at every row count a step can sample (1 to ``max_num_seqs``): cuBLAS picks its
+      matmul kernel by the row count;
+    * each sampling route: all greedy, top-p alone (whole sorted rows), top-k / top-p over each
+      number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), each
+      on one and on two rows;
+    * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
+      int64 gather and scatter, ``ModelRunner._prepare_input_ids``).
+    """
+    settings, device = runner.settings, runner.device
+    hidden = torch.zeros(settings.max_num_seqs, runner.model.config.hidden_size, dtype=settings.dtype, device=device)
     for num_rows in range(1, len(hidden) + 1):
-        runner.model.compute_logits(hidden[:num_rows])
+        logits = runner.model.compute_logits(hidden[:num_rows])
+    vocab_size = logits.shape[-1]
+    candidate_counts = [1 << i for i in range((vocab_size - 1).bit_length())] + [vocab_size]
+    sampler = Sampler(runner.sampler.use_triton, device=device, max_num_reqs=2)  # as in dummy_step
+    for num_rows in (1, 2):
+        temperature = torch.ones(num_rows, device=device)
+        top_p = torch.full((num_rows,), 0.9, device=device)
+        seeds = torch.zeros(num_rows, dtype=torch.int64, device=device) if sampler.use_triton else None
+        routes = [SamplingMetadata(torch.zeros_like(temperature), None, None, all_greedy=True, all_random=False),
+                  SamplingMetadata(temperature, None, top_p, all_greedy=False, all_random=True, seeds=seeds)]
+        routes += [SamplingMetadata(temperature, torch.full((num_rows,), count, dtype=torch.int32, device=device), top_p,
+                                    all_greedy=False, all_random=True, seeds=seeds, max_top_k=count)
+                   for count in candidate_counts]
+        for metadata in routes:
+            sampled = sampler(logits[:num_rows], metadata).sampled_token_ids
+    input_ids = torch.zeros(len(sampled), dtype=torch.int64, device=device)
+    rows = torch.arange(len(sampled), device=device)
+    input_ids[rows] = sampled[rows]
 
 
 @torch.inference_mode()
