@@ -75,10 +75,12 @@ from micro_vllm.attention.backends.abstract import (
 )
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 
-# Flash-decoding mode: at most this many splits per (request, KV head), each of at least this
-# many keys (below that, the merge costs more than the extra parallelism brings).
+# Flash-decoding mode: at most this many splits per (request, KV head), each of at least this many
+# keys (one decode tile of heads up to 128 wide). Splits are taken only while SMs would idle, and the
+# merge costs the same however many splits hold keys, so a short context gains from spreading its
+# tiles over more of them (benchmarks/latency.py at batch 1 and 8; docs/benchmarks.md).
 _MAX_SPLITS = 16
-_MIN_SPLIT_KEYS = 512
+_MIN_SPLIT_KEYS = 128
 # Steps whose longest query has at least this many tokens take the long-prefill tiles (_pick_tiles).
 # A mixed-step CUDA graph states its token count (at most max_model_len) as its longest query, so
 # graphs of that many tokens take them too, whatever the prompts they replay.
