@@ -63,7 +63,7 @@ def load_eager_kernels(runner: ModelRunner) -> None:
       matmul kernel by the row count;
     * each sampling route: all greedy, top-p alone (whole sorted rows), top-k / top-p over each
       number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), each
-      on one and on two rows;
+      on one row and on two, as a library may pick its kernel by the row count (cuBLAS does);
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
       int64 gather and scatter, ``ModelRunner._prepare_input_ids``).
     """
