@@ -449,8 +449,12 @@ class Scheduler:
             num_full = num_tokens // kv.block_size
             completed = np.flatnonzero((table.num_computed_tokens[at_rows] == num_tokens)
                                        & (num_full > table.num_hashed_blocks[at_rows]))
-            kv.cache_computed_blocks([requests[i] for i in completed.tolist()])
-            table.num_hashed_blocks[rows[completed]] = num_full[completed]
+            if len(completed):
+                # Straight to the hashing, without cache_computed_blocks' check per request: the table's
+                # count is at most the manager's, which is at most num_full (known tokens only).
+                completed_full = num_full[completed]
+                kv.cache_full_blocks([requests[i] for i in completed.tolist()], completed_full.tolist())
+                table.num_hashed_blocks[rows[completed]] = completed_full
         may_stop = (num_tokens >= table.max_num_tokens[at_rows]) | table.has_grammar[at_rows]
         if len(table.stop_token_ids):  # none when every request ignores EOS and has no stop tokens
             may_stop |= table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows)))
