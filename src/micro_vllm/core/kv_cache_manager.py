@@ -187,7 +187,7 @@ class KVCacheManager:
             return
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         if num_full > self.num_hashed_blocks(request.request_id):
-            self._cache_full_blocks([request], [num_full])
+            self.cache_full_blocks([request], [num_full])
 
     def cache_computed_blocks(self, requests: list[Request]) -> None:
         """``cache_blocks(request, request.num_tokens)`` for each of ``requests``, whose known tokens
@@ -202,11 +202,11 @@ class KVCacheManager:
                 completing.append(request)
                 num_full.append(num_blocks)
         if completing:
-            self._cache_full_blocks(completing, num_full)
+            self.cache_full_blocks(completing, num_full)
 
-    def _cache_full_blocks(self, requests: list[Request], num_full: list[int]) -> None:
+    def cache_full_blocks(self, requests: list[Request], num_full: list[int]) -> None:
         """Hash the first ``num_full[i]`` blocks of ``requests[i]`` in every group, the requests in one
-        call per group."""
+        call per group: full blocks of known tokens, none fewer than the request has hashed already."""
         block_hashes = [update_block_hashes(request, self.block_size) for request in requests]
         request_ids = [request.request_id for request in requests]
         for manager in self.managers:

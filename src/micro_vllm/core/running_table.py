@@ -27,6 +27,7 @@ _COLUMNS = ("num_computed_tokens", "num_tokens", "num_output_placeholders", "max
 
 
 _MAX_TOKEN_ID = np.iinfo(np.int64).max
+_ALL_ROWS = slice(None)
 
 
 class RunningTable:
@@ -84,6 +85,12 @@ class RunningTable:
         new_rows = np.cumsum(kept) - 1
         new_rows[~kept] = -1
         return new_rows
+
+    def index(self, rows: np.ndarray) -> np.ndarray | slice:
+        """``rows`` (ascending and distinct, as a step plans them) as an index of the columns: when
+        they are every row, a slice, whose reads are views and whose in-place updates need no
+        gather and scatter (most decode steps plan every running request)."""
+        return _ALL_ROWS if len(rows) == len(self.req_ids) else rows
 
     def may_stop_at(self, token_ids: np.ndarray) -> np.ndarray:
         """Whether each of ``token_ids`` ends some running request."""

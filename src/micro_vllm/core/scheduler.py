@@ -234,22 +234,24 @@ class Scheduler:
         num_known = table.num_tokens + table.num_output_placeholders
         # The rest has a step in flight that samples its last allowed token.
         rows = np.flatnonzero(num_known < table.max_num_tokens)
-        num_computed = table.num_computed_tokens[rows]
-        if len(rows) > step.budget or (num_known[rows] - num_computed != 1).any():
+        at_rows = table.index(rows)  # the reads through it may be views of the columns
+        num_computed = table.num_computed_tokens[rows]  # a copy: the column advances below
+        if len(rows) > step.budget or (num_known[at_rows] - num_computed != 1).any():
             return None
-        needs_block = num_computed >= table.num_held_tokens[rows]
-        needs_own = table.has_grammar[rows]
+        needs_block = num_computed >= table.num_held_tokens[at_rows]
+        needs_own = table.has_grammar[at_rows]
         if kv.enable_caching:  # the step completes a block whose tokens are known: it is hashed
             # The step computes up to num_tokens plus the placeholders: every known token.
-            needs_own |= table.num_tokens[rows] // kv.block_size > table.num_hashed_blocks[rows]
+            needs_own = needs_own | (table.num_tokens[at_rows] // kv.block_size > table.num_hashed_blocks[at_rows])
         new_block_ids = [None] * len(rows)
         # Most steps only give some requests a block each: in one call while the pool holds them all.
         if needs_own.any() or not self._allocate_decode_blocks(rows, needs_block, new_block_ids):
             rows = self._allocate_decode_slots(rows, needs_own | needs_block, new_block_ids, step)
             num_computed = num_computed[: len(rows)]
             del new_block_ids[len(rows) :]
-        table.num_computed_tokens[rows] += 1
-        table.num_output_placeholders[rows] += 1  # each samples its next token
+            at_rows = table.index(rows)
+        table.num_computed_tokens[at_rows] += 1
+        table.num_output_placeholders[at_rows] += 1  # each samples its next token
         requests = self._running_at(rows)
         for request in requests:
             request.num_computed_tokens += 1
@@ -439,16 +441,21 @@ class Scheduler:
             rows = rows[rows >= 0]
         requests = self._running_at(rows)
         append_sampled_tokens(requests, sampled)
-        table.num_tokens[rows] += 1
-        table.num_output_placeholders[rows] -= 1
-        num_tokens = table.num_tokens[rows]
+        at_rows = table.index(rows)
+        table.num_tokens[at_rows] += 1
+        table.num_output_placeholders[at_rows] -= 1
+        num_tokens = table.num_tokens[at_rows]  # maybe a view: the column is not written again below
         if kv.enable_caching:  # a later step computed the token already: the block it completes is hashed
             num_full = num_tokens // kv.block_size
-            completed = np.flatnonzero((table.num_computed_tokens[rows] == num_tokens)
-                                       & (num_full > table.num_hashed_blocks[rows]))
-            kv.cache_computed_blocks([requests[i] for i in completed.tolist()])
-            table.num_hashed_blocks[rows[completed]] = num_full[completed]
-        may_stop = (num_tokens >= table.max_num_tokens[rows]) | table.has_grammar[rows]
+            completed = np.flatnonzero((table.num_computed_tokens[at_rows] == num_tokens)
+                                       & (num_full > table.num_hashed_blocks[at_rows]))
+            if len(completed):
+                # Straight to the hashing, without cache_computed_blocks' check per request: the table's
+                # count is at most the manager's, which is at most num_full (known tokens only).
+                completed_full = num_full[completed]
+                kv.cache_full_blocks([requests[i] for i in completed.tolist()], completed_full.tolist())
+                table.num_hashed_blocks[rows[completed]] = completed_full
+        may_stop = (num_tokens >= table.max_num_tokens[at_rows]) | table.has_grammar[at_rows]
         if len(table.stop_token_ids):  # none when every request ignores EOS and has no stop tokens
             may_stop |= table.may_stop_at(np.fromiter(itertools.chain.from_iterable(sampled), np.int64, len(rows)))
         finished = []

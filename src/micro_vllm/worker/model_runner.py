@@ -89,12 +89,12 @@ class DeviceStepOutput(AsyncModelRunnerOutput):
         if self.ready is not None:
             self.ready.synchronize()
         self.fetched = True
-        sampled = self.host.tolist()
-        if len(sampled) == len(self.req_ids):  # every request samples (decodes): the rows are in order
-            tokens = [[token_id] for token_id in sampled]
+        if len(self.host) == len(self.req_ids):  # every request samples (decodes): the rows are in order
+            # A column's tolist makes the one-token lists in one call, not a comprehension.
+            tokens = self.host.numpy().reshape(-1, 1).tolist()
         else:
             tokens = [[] for _ in self.req_ids]
-            for index, token_id in zip(self.sample_rows.tolist(), sampled):
+            for index, token_id in zip(self.sample_rows.tolist(), self.host.tolist()):
                 tokens[index] = [token_id]
         logprobs = {}
         if self.logprobs is not None:
