@@ -75,16 +75,11 @@ def load_eager_kernels(runner: ModelRunner) -> None:
     candidate_counts = [1 << i for i in range((vocab_size - 1).bit_length())] + [vocab_size]
     sampler = Sampler(runner.sampler.use_triton, device=device, max_num_reqs=2)  # as in dummy_step
     for num_rows in (1, 2):
-        temperature = torch.ones(num_rows, device=device)
-        top_p = torch.full((num_rows,), 0.9, device=device)
-        seeds = torch.zeros(num_rows, dtype=torch.int64, device=device) if sampler.use_triton else None
-        routes = [SamplingMetadata(torch.zeros_like(temperature), None, None, all_greedy=True, all_random=False),
-                  SamplingMetadata(temperature, None, top_p, all_greedy=False, all_random=True, seeds=seeds)]
-        routes += [SamplingMetadata(temperature, torch.full((num_rows,), count, dtype=torch.int32, device=device), top_p,
-                                    all_greedy=False, all_random=True, seeds=seeds, max_top_k=count)
-                   for count in candidate_counts]
-        for metadata in routes:
-            sampled = sampler(logits[:num_rows], metadata).sampled_token_ids
+        rows_logits = logits[:num_rows]
+        dummy_sample(sampler, rows_logits, greedy=True)
+        dummy_sample(sampler, rows_logits, top_p=0.9)
+        for count in candidate_counts:
+            sampled = dummy_sample(sampler, rows_logits, top_k=count, top_p=0.9, max_top_k=count)
     input_ids = torch.zeros(len(sampled), dtype=torch.int64, device=device)
     rows = torch.arange(len(sampled), device=device)
     input_ids[rows] = sampled[rows]
@@ -130,17 +125,31 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     hidden = runner.model(buffers.input_ids.copy_to_device(num_tokens), buffers.positions.copy_to_device(num_tokens),
                           metadata)
     logits = runner.model.compute_logits(hidden[buffers.query_start_loc.device[1:].long() - 1])
-    # Both routes a sampling batch can take, as the runner's metadata sends it: with top-k / top-p
-    # (the sort is the sampler's largest buffer) and without, so the variants of both sampler
-    # kernels (model-dtype and fp32 logits) compile here. A Sampler of its own keeps the engine's
-    # seed streams and torch's global one untouched.
+    # Sampling with top-k / top-p over whole sorted rows (the sort is the sampler's largest buffer) and
+    # without a filter, so the variants of both sampler kernels (model-dtype and fp32 logits) compile
+    # here. A Sampler of its own keeps the engine's seed streams and torch's global one untouched.
     sampler = Sampler(runner.sampler.use_triton, device=device, max_num_reqs=num_reqs)
-    temperature = torch.ones(num_reqs, device=device)
-    top_k = torch.full((num_reqs,), 50, dtype=torch.int32, device=device)
-    top_p = torch.full((num_reqs,), 0.9, device=device)
-    seeds = torch.zeros(num_reqs, dtype=torch.int64, device=device) if sampler.use_triton else None
-    for filters in ((top_k, top_p), (None, None)):
-        sampler(logits, SamplingMetadata(temperature, *filters, all_greedy=False, all_random=True, seeds=seeds))
+    dummy_sample(sampler, logits, top_k=50, top_p=0.9)
+    dummy_sample(sampler, logits)
+
+
+def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False, top_k: int | None = None,
+                 top_p: float | None = None, max_top_k: int | None = None) -> torch.Tensor:
+    """Sample every row of ``logits`` with one setting, as the runner's metadata would send it: all
+    greedy, or temperature 1 with this top-k / top-p (None: off), drawn through the Triton sampler's
+    seeds when it is in use. Returns the sampled ids."""
+    num_rows, device = len(logits), logits.device
+
+    def full(value, dtype=torch.float32) -> torch.Tensor:
+        return torch.full((num_rows,), value, dtype=dtype, device=device)
+
+    if greedy:
+        metadata = SamplingMetadata(full(0.0), None, None, all_greedy=True, all_random=False)
+    else:
+        metadata = SamplingMetadata(full(1.0), None if top_k is None else full(top_k, torch.int32),
+                                    None if top_p is None else full(top_p), all_greedy=False, all_random=True,
+                                    seeds=full(0, torch.int64) if sampler.use_triton else None, max_top_k=max_top_k)
+    return sampler(logits, metadata).sampled_token_ids
 
 
 def profile_query_lens(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> np.ndarray:
