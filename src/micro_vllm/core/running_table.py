@@ -86,11 +86,16 @@ class RunningTable:
         new_rows[~kept] = -1
         return new_rows
 
+    def are_all(self, rows: np.ndarray) -> bool:
+        """Whether ``rows`` (ascending and distinct, as a step plans them) are every row of the table:
+        then there are as many."""
+        return len(rows) == len(self.req_ids)
+
     def index(self, rows: np.ndarray) -> np.ndarray | slice:
-        """``rows`` (ascending and distinct, as a step plans them) as an index of the columns: when
-        they are every row, a slice, whose reads are views and whose in-place updates need no
-        gather and scatter (most decode steps plan every running request)."""
-        return _ALL_ROWS if len(rows) == len(self.req_ids) else rows
+        """``rows`` (ascending and distinct) as an index of the columns: when they are every row, a
+        slice, whose reads are views and whose in-place updates need no gather and scatter (most
+        decode steps plan every running request)."""
+        return _ALL_ROWS if self.are_all(rows) else rows
 
     def may_stop_at(self, token_ids: np.ndarray) -> np.ndarray:
         """Whether each of ``token_ids`` ends some running request."""

@@ -264,8 +264,8 @@ class Scheduler:
         a ``DecodeBatch``. When they are all the running requests and all decode, the same one serves
         every step until the running requests change."""
         table = self.table
-        # As many as the table's rows are all of them: a preemption shortens the running list, not the table.
-        all_rows = len(requests) == len(table.req_ids)
+        # Against the table's rows, not the running list: a preemption shortens the list, not the table.
+        all_rows = table.are_all(rows)
         if all_rows and self.all_decodes is not None and self.all_decodes.req_ids is table.req_ids:
             return self.all_decodes  # they all decoded before: none computes its prompt again while they run
         # A one-token step that computes a prompt's last token is no decode.
