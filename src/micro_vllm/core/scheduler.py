@@ -602,6 +602,7 @@ class _StepBuilder:
         return {**self.decodes.num_scheduled_tokens, **self.num_scheduled}
 
     def planned_decode_req_ids(self) -> frozenset[str]:
+        """The requests that decode this step (the stats' ``decode_req_ids``)."""
         if self.decodes is None:
             return frozenset(self.decode_req_ids)
         if not self.decode_req_ids:
