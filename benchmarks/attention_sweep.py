@@ -49,7 +49,8 @@ PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(6
 # tiles, the long-prefill ones and an fp8 cache's: where the long-prefill tiles start to win decides
 # triton_attn._LONG_QUERY.
 LONG_PREFILL_STEPS = ((16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8000), (2, 8000))
-LONG_PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(128, 32, 8, 2, False), Tiles(64, 64, 4, 2, False)]
+LONG_PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(128, 64, 8, 3, False),
+                      Tiles(128, 64, 8, 2, False), Tiles(128, 128, 8, 2, False), Tiles(128, 32, 8, 2, False)]
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
@@ -86,9 +87,10 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
 
 
 def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Tensor:
-    """The backend's attention with ``tiles`` and ``num_splits`` forced (None: the backend's choice):
-    a decode step as layers run it, its new keys taken in the attention launch (no slot is written:
-    the sweep's slots are all padding); other steps' attention alone, without the write launch."""
+    """The backend's attention with ``tiles`` and ``num_splits`` forced (None: the backend's choice),
+    as layers run it: a decode step takes its new keys in the attention launch (no slot is written:
+    the sweep's slots are all padding); other steps read their own keys from the step's rows and the
+    cached ones through the pages, timed without the write launch that precedes them."""
     query, kv_cache, metadata, new_kv = step
     pick, splits = triton_attn._pick_tiles, triton_attn._num_splits
     if tiles is not None:
@@ -100,7 +102,8 @@ def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Te
         if metadata.common.max_query_len == 1:
             return backend.write_and_attend(query, *new_kv, kv_cache, metadata, scale=HEAD_SIZE**-0.5,
                                             sliding_window=None)
-        return backend.forward(query, kv_cache, metadata, scale=HEAD_SIZE**-0.5, sliding_window=None)
+        step_kv = None if kv_cache.dtype.itemsize == 1 else tuple(new_kv)  # as write_and_attend chooses
+        return backend._attend(query, kv_cache, metadata, HEAD_SIZE**-0.5, None, step_kv=step_kv)
     finally:
         triton_attn._pick_tiles, triton_attn._num_splits = pick, splits
 

@@ -122,12 +122,14 @@ def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_s
         )
         qkv = torch.zeros(num_tokens, (group + 2) * num_kv_heads * head_size, dtype=dtype)
         query = qkv[:, : group * num_kv_heads * head_size].view(num_tokens, group * num_kv_heads, head_size)
-        key = qkv[:, group * num_kv_heads * head_size:][:, : num_kv_heads * head_size].view(num_tokens, num_kv_heads, head_size)
+        key, value = (qkv[:, (group + i) * num_kv_heads * head_size:][:, : num_kv_heads * head_size]
+                      .view(num_tokens, num_kv_heads, head_size) for i in (0, 1))
         splits = num_splits if max(query_lens) == 1 else 1
         triton_attn._num_splits = lambda *_, n=splits: n
         # As a layer runs it: the decode batch stores its K/V inside the attention launch, the mixed
         # one launches the write kernel first.
-        backend.write_and_attend(query, key, key, kv_cache, metadata, scale=head_size**-0.5, sliding_window=window)
+        # Distinct K and V tensors: the compiler would share one buffer between loads of one tensor.
+        backend.write_and_attend(query, key, value, kv_cache, metadata, scale=head_size**-0.5, sliding_window=window)
 
 
 def layer_launches(dtype: torch.dtype, hidden: int = 1024, heads: int = 16, kv_heads: int = 8, head_size: int = 128,

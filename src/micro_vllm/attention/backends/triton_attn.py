@@ -166,34 +166,47 @@ def _find_request(query_start_loc_ptr, num_reqs, qblock, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, key_end, window,
-    scale_log2, cache_stride_block, cache_stride_tok,
+    acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
+    scale_log2, stride_block, stride_k, stride_v,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     MASKED: tl.constexpr,  # False only for tiles every row sees in full
     HAS_WINDOW: tl.constexpr,
+    FROM_STEP: tl.constexpr,  # the keys are this step's rows, not cached pages
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys [tile * TILE_N, (tile + 1) * TILE_N), read through pages."""
-    keys = tile * TILE_N + tl.arange(0, TILE_N)
+    """One online-softmax step over keys [first_key + tile * TILE_N, first_key + (tile + 1) * TILE_N).
+
+    Cached keys (``first_key`` 0) are read through the pages; this step's keys (``FROM_STEP``,
+    ``first_key`` the request's context length) are rows of its key and value tensors, whose bases
+    ``k_base`` and ``v_base`` are then the request's first row."""
+    offsets = tile * TILE_N + tl.arange(0, TILE_N)
+    keys = first_key + offsets
     dims = tl.arange(0, HEAD_PAD)
     dim_valid = _dim_mask(HEAD_SIZE, HEAD_PAD)  # padding lanes load 0, so they add 0 to both dots
     if MASKED:
         # Never touch a key outside [key_start, key_end): its table entry may be a null block and
         # slots past seq_len hold stale data; masked loads return 0, so no NaN reaches P @ V.
         key_valid = (keys >= key_start) & (keys < key_end)
-        page = tl.load(block_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         k_mask = key_valid[None, :] & dim_valid[:, None]
         v_mask = key_valid[:, None] & dim_valid[None, :]
     else:
-        page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
         k_mask, v_mask = dim_valid[:, None], dim_valid[None, :]
-    offset = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_tok
+    if FROM_STEP:
+        k_offset = offsets.to(tl.int64) * stride_k
+        v_offset = offsets.to(tl.int64) * stride_v
+    else:
+        if MASKED:
+            page = tl.load(block_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        else:
+            page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
+        k_offset = page * stride_block + (keys % BLOCK_SIZE) * stride_k
+        v_offset = k_offset
     # An fp8 cache widens to the query's type here (fp16 for a bf16 model), so both products run as without it.
-    k = tl.load(k_base + offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_base + offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
+    k = tl.load(k_base + k_offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_base + v_offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
@@ -209,6 +222,44 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_range(
+    acc, m_i, l_i, q, q_pos, tile_begin, full_begin, full_end, tile_end, first_key, block_row, k_base, v_base,
+    key_start, key_end, window, scale_log2, stride_block, stride_k, stride_v,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    FROM_STEP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Tiles [tile_begin, tile_end) of one key source (``_attend_tile``). Those in [full_begin,
+    full_end) are visible to every row (no causal or window edge inside) and skip all masking; only
+    the first and last few tiles of a range need it."""
+    full_begin = tl.minimum(tl.maximum(full_begin, tile_begin), tile_end)
+    full_end = tl.minimum(tl.maximum(full_end, full_begin), tile_end)
+    for tile in range(tile_begin, full_begin):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
+            scale_log2, stride_block, stride_k, stride_v,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, FROM_STEP, DOT_PRECISION,
+        )
+    for tile in range(full_begin, full_end):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
+            scale_log2, stride_block, stride_k, stride_v,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, False, HAS_WINDOW, FROM_STEP, DOT_PRECISION,
+        )
+    for tile in range(full_end, tile_end):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
+            scale_log2, stride_block, stride_k, stride_v,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, FROM_STEP, DOT_PRECISION,
+        )
+    return acc, m_i, l_i
 
 
 # Per-step counts are not specialised on (== 1, multiple of 16): each new pattern would compile
@@ -259,6 +310,7 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WRITE_KV: tl.constexpr,  # decode only: store each request's new K/V here instead of a launch of its own
+    KV_FROM_STEP: tl.constexpr,  # steps with prefill chunks: read this step's keys from key_ptr/value_ptr
 ):
     kv_head = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -304,13 +356,14 @@ def _attention_kernel(
     if HAS_WINDOW:
         key_start = tl.maximum(context_len + first_q - window + 1, 0)
     # Keys read from the cache. With WRITE_KV the request's one new token, its last key, is not in
-    # the cache yet: it comes from the step's key/value rows, after the loops.
+    # the cache yet: it comes from the step's key/value rows, after the loops. With KV_FROM_STEP
+    # every key of this step comes from those rows.
     cache_end = key_end - 1 if WRITE_KV else key_end
+    if KV_FROM_STEP:
+        cache_end = context_len
     tile_begin = key_start // TILE_N
     tile_end = tl.cdiv(cache_end, TILE_N)
     cache_tile_end = tile_end
-    # Tiles in [full_begin, full_end) are visible to every row (no causal or window edge inside):
-    # they skip all masking. Only the first and last few tiles of a range need it.
     full_begin = tile_begin
     if HAS_WINDOW:
         full_begin = tl.cdiv(tl.maximum(key_end - window, 0), TILE_N)
@@ -321,8 +374,6 @@ def _attention_kernel(
         tiles_per_split = tl.maximum(tl.cdiv(tile_end - tile_begin, NUM_SPLITS), MIN_SPLIT_TILES)
         tile_begin = tl.minimum(tile_begin + split * tiles_per_split, tile_end)
         tile_end = tl.minimum(tile_begin + tiles_per_split, tile_end)
-    full_begin = tl.minimum(tl.maximum(full_begin, tile_begin), tile_end)
-    full_end = tl.minimum(tl.maximum(full_end, full_begin), tile_end)
     if WRITE_KV:  # loaded before the loops, so their latency hides behind them
         token_row = q_begin.to(tl.int64)
         slot = tl.load(slot_ptr + token_row)
@@ -339,25 +390,29 @@ def _attention_kernel(
     block_row = block_table_ptr + req.to(tl.int64) * block_table_stride
     k_base = k_cache_ptr + kv_head.to(tl.int64) * cache_stride_head
     v_base = v_cache_ptr + kv_head.to(tl.int64) * cache_stride_head
-    for tile in range(tile_begin, full_begin):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
-            scale_log2, cache_stride_block, cache_stride_tok,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, DOT_PRECISION,
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, q_pos, tile_begin, full_begin, full_end, tile_end, 0, block_row, k_base, v_base,
+        key_start, cache_end, window, scale_log2, cache_stride_block, cache_stride_tok, cache_stride_tok,
+        BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, False, DOT_PRECISION,
+    )
+    if KV_FROM_STEP:
+        # This step's keys, after the cached ones (steps with prefill chunks have one split). Row j
+        # of the request's K/V holds key context_len + j. Tiles count from context_len, so a query
+        # block's causal edge falls inside the same tiles whatever the context.
+        tl.static_assert(NUM_SPLITS == 1)
+        step_begin = tl.maximum(key_start - context_len, 0) // TILE_N
+        step_full_begin = step_begin
+        if HAS_WINDOW:
+            step_full_begin = tl.cdiv(tl.maximum(key_end - window - context_len, 0), TILE_N)
+        first_row = q_begin.to(tl.int64)
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, step_begin, step_full_begin, (first_q + 1) // TILE_N,
+            tl.cdiv(key_end - context_len, TILE_N), context_len, block_row,
+            key_ptr + first_row * key_stride_t + kv_head.to(tl.int64) * key_stride_h,
+            value_ptr + first_row * value_stride_t + kv_head.to(tl.int64) * value_stride_h,
+            key_start, key_end, window, scale_log2, 0, key_stride_t, value_stride_t,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, True, DOT_PRECISION,
         )
-    for tile in range(full_begin, full_end):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
-            scale_log2, cache_stride_block, cache_stride_tok,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, False, HAS_WINDOW, DOT_PRECISION,
-        )
-    for tile in range(full_end, tile_end):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, block_row, k_base, v_base, key_start, cache_end, window,
-            scale_log2, cache_stride_block, cache_stride_tok,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, DOT_PRECISION,
-        )
-
     # The new token's key, in the program whose range ends the cached keys (split 0 when none is
     # cached): one more online-softmax column, then its K/V go to the cache for later steps.
     if WRITE_KV:
@@ -483,11 +538,13 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
         # the products: 64 keys a step pay that round trip for twice the keys.
         if fp8_cache:
             return _Tiles(rows, 64, 4, 2, one_qblock_per_req=False)
-        # Long prompts take twice the rows on two warpgroups: each K/V tile then serves twice the
-        # queries, which pays once most of a program's tiles are unmasked; on prompts of 4,096
-        # tokens or fewer it does not (benchmarks/attention_sweep.py; docs/benchmarks.md).
+        # Long prompts take twice the rows on two warpgroups and 64 keys a step: each K/V tile then
+        # serves twice the queries and each rescale of the accumulator twice the keys, which pays
+        # once most of a program's tiles are unmasked; on prompts of 4,096 tokens or fewer it does
+        # not. Two stages: three overflow shared memory with fp32 tiles (benchmarks/attention_sweep.py;
+        # docs/benchmarks.md).
         if max_query_len >= _LONG_QUERY:
-            return _Tiles(max(128, rows), 32, 8, 2, one_qblock_per_req=False)
+            return _Tiles(max(128, rows), 64, 8, 2, one_qblock_per_req=False)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
     # keeps more stages in flight (benchmarks/attention_sweep.py chose it; docs/benchmarks.md).
     return _Tiles(rows, 32, 4, 2, one_qblock_per_req=False)
@@ -586,14 +643,23 @@ class TritonBackend(AttentionBackend):
         """Decode steps store their new K/V inside the attention launch (one launch per layer
         fewer). The new key joins the softmax from registers rather than being stored first and read
         back behind a barrier, which costs more than the separate launch it saves. Steps with longer
-        queries write first: a query block reads keys that other programs write."""
+        queries write first, for the steps after them, then read this step's keys from its own
+        rows rather than back through the pages: contiguous rows need no page lookup per key, so
+        the prefill tiles stream them as plain tiles (benchmarks/attention_sweep.py). A cache that
+        rounds what it stores (fp8) is read back instead, so a key weighs the same in every step;
+        so are heads wider than 128, whose programs run out of registers with both key sources
+        (tests/helpers/hopper_compile.py)."""
         if metadata.common.max_query_len != 1:
-            return super().write_and_attend(query, key, value, kv_cache, metadata, scale=scale,
-                                            sliding_window=sliding_window)
-        return self._attend(query, kv_cache, metadata, scale, sliding_window, new_kv=(key, value))
+            self.write_kv(key, value, kv_cache, metadata.common.slot_mapping)
+            if kv_cache.dtype != query.dtype or _head_pad(query.shape[-1]) > 128:
+                return self._attend(query, kv_cache, metadata, scale, sliding_window)
+        return self._attend(query, kv_cache, metadata, scale, sliding_window, step_kv=(key, value))
 
     def _attend(self, query, kv_cache, metadata: TritonAttentionMetadata, scale: float, sliding_window: int | None,
-                new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                step_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention over the cache, and over ``step_kv``, this step's K/V rows, when given: a decode
+        step stores them into the cache in the same launch, a step with prefill chunks (whose rows
+        the cache already holds) reads its own keys from them."""
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
         if head_size != cache_head_size or not self.supports_head_size(head_size):
@@ -631,7 +697,7 @@ class TritonBackend(AttentionBackend):
 
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         window = sliding_window if sliding_window is not None else 0
-        key, value = (query, query) if new_kv is None else (t if t.stride(-1) == 1 else t.contiguous() for t in new_kv)
+        key, value = (query, query) if step_kv is None else (t if t.stride(-1) == 1 else t.contiguous() for t in step_kv)
         if grid_q > _MAX_GRID_Y:
             raise ValueError(
                 f"a step of {num_tokens} tokens needs {grid_q} query blocks; at most {_MAX_GRID_Y} fit a grid"
@@ -680,7 +746,8 @@ class TritonBackend(AttentionBackend):
             HAS_ORDER=order is not None,
             HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            WRITE_KV=new_kv is not None,
+            WRITE_KV=step_kv is not None and max_query_len == 1,
+            KV_FROM_STEP=step_kv is not None and max_query_len > 1,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
