@@ -9,6 +9,9 @@ they shape:
   context before them) and decodes mixed, causal, GQA, optional sliding window, online softmax in fp32.
   In a decode step it also stores each request's new K/V (``WRITE_KV``), so no write launch precedes it:
   the loop reads the cached keys and the new token's key joins the softmax from registers.
+  In a step with prefill chunks (``KV_FROM_STEP``) the cached keys come through the pages and this
+  step's own keys, which the write kernel has just stored, from the step's K/V rows: contiguous
+  rows need no page lookup per key.
   For decode-only batches with few requests it runs split-KV ("flash decoding"): several programs
   share one request's context and ``_merge_splits_kernel`` combines their partial results.
 
