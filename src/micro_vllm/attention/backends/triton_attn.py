@@ -524,8 +524,7 @@ class _Tiles(NamedTuple):
     one_qblock_per_req: bool
 
 
-def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False,
-                fp32: bool = False) -> _Tiles:
+def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False) -> _Tiles:
     """Tile shape and launch parameters for a batch of this shape.
 
     Decode-like batches take 16 rows, the smallest tl.dot, and are memory-bound; prefill takes a
@@ -545,10 +544,10 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
         # Long prompts take twice the rows on two warpgroups and 64 keys a step: each K/V tile then
         # serves twice the queries and each rescale of the accumulator twice the keys, which pays
         # once most of a program's tiles are unmasked; on prompts of 4,096 tokens or fewer it does
-        # not (benchmarks/attention_sweep.py; docs/benchmarks.md). fp32 tiles of 64 keys overflow
-        # an H200 block's shared memory at 128 rows, so fp32 takes 32.
+        # not. Two stages: three overflow shared memory with fp32 tiles (benchmarks/attention_sweep.py;
+        # docs/benchmarks.md).
         if max_query_len >= _LONG_QUERY:
-            return _Tiles(max(128, rows), 32 if fp32 else 64, 8, 2, one_qblock_per_req=False)
+            return _Tiles(max(128, rows), 64, 8, 2, one_qblock_per_req=False)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
     # keeps more stages in flight (benchmarks/attention_sweep.py chose it; docs/benchmarks.md).
     return _Tiles(rows, 32, 4, 2, one_qblock_per_req=False)
@@ -683,8 +682,7 @@ class TritonBackend(AttentionBackend):
 
         group = num_heads // num_kv_heads
         max_query_len = common.max_query_len
-        tiles = _pick_tiles(max_query_len, group, head_size, kv_cache.dtype == torch.float8_e4m3fn,
-                            query.dtype == torch.float32)
+        tiles = _pick_tiles(max_query_len, group, head_size, kv_cache.dtype == torch.float8_e4m3fn)
         block_q = tiles.block_m // group
         one_qblock = tiles.one_qblock_per_req
         grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
