@@ -104,8 +104,9 @@ def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_s
     backend = triton_attn.TritonBackend()
     num_kv_heads, block_size, num_blocks = 8, 16, 64
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=kv_cache_dtype or dtype)
-    # A decode batch (decode tiles), a mixed one (prefill tiles), one with a long prompt (long-prefill tiles).
-    for query_lens in ([1] * 12, [300, 1, 1, 7], [triton_attn._LONG_QUERY, 1]):
+    # A decode batch (decode tiles), a step of short chunks (decode tiles on a prefill step's path),
+    # a mixed one (prefill tiles), one with a long prompt (long-prefill tiles).
+    for query_lens in ([1] * 12, [16 // group, 1, 1], [300, 1, 1, 7], [triton_attn._LONG_QUERY, 1]):
         num_reqs, num_tokens = len(query_lens), sum(query_lens)
         seq_lens = torch.tensor([n + 40 for n in query_lens], dtype=torch.int32)
         query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)

@@ -662,7 +662,10 @@ class TritonBackend(AttentionBackend):
                 step_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention over the cache, and over ``step_kv``, this step's K/V rows, when given: a decode
         step stores them into the cache in the same launch, a step with prefill chunks (whose rows
-        the cache already holds) reads its own keys from them."""
+        the cache already holds) reads its own keys from them. Steps of chunks short enough for the
+        decode tiles read the cache alone: the second key loop would get pipeline buffers of its
+        own, doubling their shared memory (fp32 heads of 128 then overflow an H200 block;
+        tests/helpers/hopper_compile.py)."""
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
         if head_size != cache_head_size or not self.supports_head_size(head_size):
@@ -750,7 +753,7 @@ class TritonBackend(AttentionBackend):
             HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             WRITE_KV=step_kv is not None and max_query_len == 1,
-            KV_FROM_STEP=step_kv is not None and max_query_len > 1,
+            KV_FROM_STEP=step_kv is not None and max_query_len > 1 and not one_qblock,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
