@@ -544,7 +544,8 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
         # Long prompts take twice the rows on two warpgroups and 64 keys a step: each K/V tile then
         # serves twice the queries and each rescale of the accumulator twice the keys, which pays
         # once most of a program's tiles are unmasked; on prompts of 4,096 tokens or fewer it does
-        # not. Two stages: three overflow shared memory with fp32 tiles (benchmarks/attention_sweep.py;
+        # not. Two stages: three were 2% faster in bf16 but bring fp32 tiles within 3 KB of a
+        # block's shared memory (tests/helpers/hopper_compile.py; benchmarks/attention_sweep.py;
         # docs/benchmarks.md).
         if max_query_len >= _LONG_QUERY:
             return _Tiles(max(128, rows), 64, 8, 2, one_qblock_per_req=False)
