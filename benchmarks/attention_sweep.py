@@ -89,8 +89,8 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
 def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Tensor:
     """The backend's attention with ``tiles`` and ``num_splits`` forced (None: the backend's choice),
     as layers run it: a decode step takes its new keys in the attention launch (no slot is written:
-    the sweep's slots are all padding); other steps read their own keys from the step's rows and the
-    cached ones through the pages, timed without the write launch that precedes them."""
+    the sweep's slots are all padding); other steps attend with their rows at hand (the backend
+    chooses whether it reads their keys from them), timed without the write launch that precedes them."""
     query, kv_cache, metadata, new_kv = step
     pick, splits = triton_attn._pick_tiles, triton_attn._num_splits
     if tiles is not None:
@@ -102,8 +102,7 @@ def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Te
         if metadata.common.max_query_len == 1:
             return backend.write_and_attend(query, *new_kv, kv_cache, metadata, scale=HEAD_SIZE**-0.5,
                                             sliding_window=None)
-        step_kv = None if kv_cache.dtype.itemsize == 1 else tuple(new_kv)  # as write_and_attend chooses
-        return backend._attend(query, kv_cache, metadata, HEAD_SIZE**-0.5, None, step_kv=step_kv)
+        return backend._attend(query, kv_cache, metadata, HEAD_SIZE**-0.5, None, step_kv=tuple(new_kv))
     finally:
         triton_attn._pick_tiles, triton_attn._num_splits = pick, splits
 

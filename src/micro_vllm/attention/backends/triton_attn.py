@@ -647,26 +647,25 @@ class TritonBackend(AttentionBackend):
         """Decode steps store their new K/V inside the attention launch (one launch per layer
         fewer). The new key joins the softmax from registers rather than being stored first and read
         back behind a barrier, which costs more than the separate launch it saves. Steps with longer
-        queries write first, for the steps after them, then read this step's keys from its own
-        rows rather than back through the pages: contiguous rows need no page lookup per key, so
-        the prefill tiles stream them as plain tiles (benchmarks/attention_sweep.py). A cache that
-        rounds what it stores (fp8) is read back instead, so a key weighs the same in every step;
-        so are heads wider than 128, whose programs run out of registers with both key sources
-        (tests/helpers/hopper_compile.py)."""
+        queries write first, for the steps after them, then attend with this step's rows at hand
+        (``_attend`` says when it reads its keys from them)."""
         if metadata.common.max_query_len != 1:
             self.write_kv(key, value, kv_cache, metadata.common.slot_mapping)
-            if kv_cache.dtype != query.dtype or _head_pad(query.shape[-1]) > 128:
-                return self._attend(query, kv_cache, metadata, scale, sliding_window)
         return self._attend(query, kv_cache, metadata, scale, sliding_window, step_kv=(key, value))
 
     def _attend(self, query, kv_cache, metadata: TritonAttentionMetadata, scale: float, sliding_window: int | None,
                 step_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Attention over the cache, and over ``step_kv``, this step's K/V rows, when given: a decode
-        step stores them into the cache in the same launch, a step with prefill chunks (whose rows
-        the cache already holds) reads its own keys from them. Steps of chunks short enough for the
-        decode tiles read the cache alone: the second key loop would get pipeline buffers of its
-        own, doubling their shared memory (fp32 heads of 128 then overflow an H200 block;
-        tests/helpers/hopper_compile.py)."""
+        """Attention over the cache, and over ``step_kv``, this step's K/V rows, when given.
+
+        A decode step stores them into the cache in the same launch. A step with prefill chunks,
+        whose rows the cache already holds, reads its own keys from them rather than back through
+        the pages: contiguous rows need no page lookup per key, so the prefill tiles stream them as
+        plain tiles (benchmarks/attention_sweep.py). It reads the cache alone when
+          * the cache rounds what it stores (fp8): a key must weigh the same in every step;
+          * heads are wider than 128: their programs run out of registers with both key sources;
+          * its chunks are short enough for the decode tiles: the second key loop would get pipeline
+            buffers of its own, doubling their shared memory (fp32 heads of 128 then overflow an
+            H200 block). Both by tests/helpers/hopper_compile.py."""
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
         if head_size != cache_head_size or not self.supports_head_size(head_size):
@@ -692,6 +691,8 @@ class TritonBackend(AttentionBackend):
         grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
         num_splits = _num_splits(query.device, num_reqs, num_kv_heads, max_query_len)
         order = metadata.decode_order if one_qblock else None
+        kv_from_step = (step_kv is not None and not one_qblock and kv_cache.dtype == query.dtype
+                        and _head_pad(head_size) <= 128)
 
         if num_splits > 1:
             partial = torch.empty(
@@ -754,7 +755,7 @@ class TritonBackend(AttentionBackend):
             HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             WRITE_KV=step_kv is not None and max_query_len == 1,
-            KV_FROM_STEP=step_kv is not None and max_query_len > 1 and not one_qblock,
+            KV_FROM_STEP=kv_from_step,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
