@@ -241,7 +241,8 @@ class Scheduler:
         needs_block = num_computed >= table.num_held_tokens[at_rows]
         needs_own = table.has_grammar[at_rows]
         if kv.enable_caching:  # the step completes a block whose tokens are known: it is hashed
-            # The step computes up to num_tokens plus the placeholders: every known token.
+            # The step computes up to num_tokens plus the placeholders: every known token. Not |=:
+            # through a slice needs_own is the has_grammar column itself.
             needs_own = needs_own | (table.num_tokens[at_rows] // kv.block_size > table.num_hashed_blocks[at_rows])
         new_block_ids = [None] * len(rows)
         # Most steps only give some requests a block each: in one call while the pool holds them all.
