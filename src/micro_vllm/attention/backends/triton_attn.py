@@ -9,9 +9,9 @@ they shape:
   context before them) and decodes mixed, causal, GQA, optional sliding window, online softmax in fp32.
   In a decode step it also stores each request's new K/V (``WRITE_KV``), so no write launch precedes it:
   the loop reads the cached keys and the new token's key joins the softmax from registers.
-  In a step with prefill chunks (``KV_FROM_STEP``) the cached keys come through the pages and this
-  step's own keys, which the write kernel has just stored, from the step's K/V rows: contiguous
-  rows need no page lookup per key.
+  In a step with prefill chunks (``KV_FROM_STEP``, when ``TritonBackend._attend`` takes it) the cached
+  keys come through the pages and this step's own keys, which the write kernel has just stored, from
+  the step's K/V rows: contiguous rows need no page lookup per key.
   For decode-only batches with few requests it runs split-KV ("flash decoding"): several programs
   share one request's context and ``_merge_splits_kernel`` combines their partial results.
 
@@ -691,8 +691,8 @@ class TritonBackend(AttentionBackend):
         grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
         num_splits = _num_splits(query.device, num_reqs, num_kv_heads, max_query_len)
         order = metadata.decode_order if one_qblock else None
-        kv_from_step = (step_kv is not None and not one_qblock and kv_cache.dtype == query.dtype
-                        and _head_pad(head_size) <= 128)
+        head_pad = _head_pad(head_size)
+        kv_from_step = step_kv is not None and not one_qblock and kv_cache.dtype == query.dtype and head_pad <= 128
 
         if num_splits > 1:
             partial = torch.empty(
@@ -743,7 +743,7 @@ class TritonBackend(AttentionBackend):
             value.stride(1),
             GROUP=group,
             HEAD_SIZE=head_size,
-            HEAD_PAD=_head_pad(head_size),
+            HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size,
             BLOCK_Q=block_q,
             BLOCK_M=tiles.block_m,
@@ -774,7 +774,7 @@ class TritonBackend(AttentionBackend):
                 NUM_SPLITS=num_splits,
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
                 HEAD_SIZE=head_size,
-                HEAD_PAD=_head_pad(head_size),
+                HEAD_PAD=head_pad,
                 num_warps=4,
             )
         return out
