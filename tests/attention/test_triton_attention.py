@@ -117,7 +117,8 @@ def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, t
 
 def test_long_prompts_take_the_long_prefill_tiles() -> None:
     long = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128)
-    assert (long.block_m, long.num_warps) == (128, 8) and not long.one_qblock_per_req
+    assert (long.block_m, long.num_warps, long.num_stages) == (128, 8, 3) and not long.one_qblock_per_req
+    assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128, fp32=True).num_stages == 2  # shared memory
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY - 1, 2, 128).block_m == 64
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 16, 128).block_m == 128  # 8 queries of 16 heads
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 256).block_m == 64  # wide heads keep theirs

@@ -25,10 +25,11 @@ once per group. It walks the request's context in tiles of ``TILE_N`` keys, read
 block table; only the tiles at the causal and window edges are masked. The number of query blocks is
 an upper bound that needs no device data: ``num_tokens // BLOCK_Q + num_reqs`` (each request wastes at
 most one partial block); a program finds its request by binary search over ``query_start_loc`` and
-exits when it has no rows. When no request has more than ``BLOCK_Q`` queries (decode), program ``i``
-simply serves request ``i``, or request ``decode_order[i]`` when the metadata has an order: the GPU
-starts programs roughly in index order, so longest contexts first keeps a long program from
-starting last and running alone at the end.
+exits when it has no rows. The GPU starts programs roughly in index order, and a program running
+alone at the end of a launch idles the other SMs, so the longest programs come first: these programs
+take the query blocks last first (a request's later blocks see more keys). When no request has more
+than ``BLOCK_Q`` queries (decode), program ``i`` simply serves request ``i``, or request
+``decode_order[i]`` when the metadata has an order (longest context first).
 
 An fp8 cache (``kv_cache_dtype="fp8"``) holds one byte per value: the kernels convert K/V as they
 store them (saturating, ``_to_cache_dtype``) and widen each loaded tile to the query's dtype, so the
@@ -211,7 +212,7 @@ def _attend_tile(
     k = tl.load(k_base + k_offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
     v = tl.load(v_base + v_offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
 
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)  # scaled below, inside the exponent's FMA
     if MASKED:
         # Causal, and inside the keys read: with WRITE_KV a query's own key is visible but not read here.
         visible = (keys[None, :] <= q_pos[:, None]) & (keys < key_end)[None, :]
@@ -219,11 +220,12 @@ def _attend_tile(
             visible &= keys[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    p = tl.math.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    # The rescaled accumulator is the product's own: no second register tile, no separate add.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -317,6 +319,10 @@ def _attention_kernel(
 ):
     kv_head = tl.program_id(0)
     qblock = tl.program_id(1)
+    if not ONE_QBLOCK_PER_REQ:
+        # Last block first: a request's later query blocks see more keys, so the longest programs
+        # start first instead of running alone at the end of the launch.
+        qblock = tl.num_programs(1) - 1 - qblock
     split = tl.program_id(2)
 
     if ONE_QBLOCK_PER_REQ:
@@ -524,7 +530,8 @@ class _Tiles(NamedTuple):
     one_qblock_per_req: bool
 
 
-def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False) -> _Tiles:
+def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False,
+                fp32: bool = False) -> _Tiles:
     """Tile shape and launch parameters for a batch of this shape.
 
     Decode-like batches take 16 rows, the smallest tl.dot, and are memory-bound; prefill takes a
@@ -543,12 +550,12 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
             return _Tiles(rows, 64, 4, 2, one_qblock_per_req=False)
         # Long prompts take twice the rows on two warpgroups and 64 keys a step: each K/V tile then
         # serves twice the queries and each rescale of the accumulator twice the keys, which pays
-        # once most of a program's tiles are unmasked; on prompts of 4,096 tokens or fewer it does
-        # not. Two stages: three were 2% faster in bf16 but bring fp32 tiles within 3 KB of a
-        # block's shared memory (tests/helpers/hopper_compile.py; benchmarks/attention_sweep.py;
-        # docs/benchmarks.md).
+        # once most of a program's tiles are unmasked; on short prompts it does not. Three stages
+        # hold one program per SM, which with the longest programs started first beats two programs
+        # of two stages each; fp32 tiles keep two, as three come within 3 KB of a block's shared
+        # memory (tests/helpers/hopper_compile.py; benchmarks/attention_sweep.py; docs/benchmarks.md).
         if max_query_len >= _LONG_QUERY:
-            return _Tiles(max(128, rows), 64, 8, 2, one_qblock_per_req=False)
+            return _Tiles(max(128, rows), 64, 8, 2 if fp32 else 3, one_qblock_per_req=False)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
     # keeps more stages in flight (benchmarks/attention_sweep.py chose it; docs/benchmarks.md).
     return _Tiles(rows, 32, 4, 2, one_qblock_per_req=False)
@@ -685,7 +692,8 @@ class TritonBackend(AttentionBackend):
 
         group = num_heads // num_kv_heads
         max_query_len = common.max_query_len
-        tiles = _pick_tiles(max_query_len, group, head_size, kv_cache.dtype == torch.float8_e4m3fn)
+        tiles = _pick_tiles(max_query_len, group, head_size, kv_cache.dtype == torch.float8_e4m3fn,
+                            query.dtype == torch.float32)
         block_q = tiles.block_m // group
         one_qblock = tiles.one_qblock_per_req
         grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
