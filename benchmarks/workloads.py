@@ -12,6 +12,8 @@ exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,000 as in the recipe
   lengths. Prefix caching decides it: the system prompt is 78% of the prompt tokens.
 - ``long-context``: 32 prompts of 8,000 random tokens, 512 output tokens each: attention over long
   contexts dominates, and the prompts take most of the KV cache.
+- ``long-context-prefill``: the same prompts with one output token each, the same ``max_model_len``:
+  an engine's prefill of long-context alone, which splits its run into prefill and decode.
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ def long_context(num_requests: int = 32, prompt_len: int = 8000, output_len: int
     return Workload(prompts, [output_len] * num_requests, max_model_len=prompt_len + output_len)
 
 
-WORKLOADS = {"recipe": recipe, "shared-prefix": shared_prefix, "long-context": long_context}
+def long_context_prefill(num_requests: int = 32, seed: int = 0) -> Workload:
+    full = long_context(num_requests, seed=seed)
+    return Workload(full.prompts, [1] * num_requests, max_model_len=full.max_model_len)
+
+
+WORKLOADS = {"recipe": recipe, "shared-prefix": shared_prefix, "long-context": long_context,
+             "long-context-prefill": long_context_prefill}
 
 
 def make_workload(name: str, num_requests: int | None = None) -> Workload:

@@ -274,6 +274,8 @@ def test_workloads_are_deterministic_pure_python_and_have_their_promised_shapes(
     long = workloads.make_workload("long-context")
     assert [len(p) for p in long.prompts] == [8000] * 32 and long.max_tokens == [512] * 32
     assert len({tuple(p) for p in long.prompts}) == 32
+    prefill = workloads.make_workload("long-context-prefill")  # the same requests, one token out
+    assert (prefill.prompts, prefill.max_tokens, prefill.max_model_len) == (long.prompts, [1] * 32, long.max_model_len)
 
     for w in (recipe, shared, long):
         assert all(len(p) + n <= w.max_model_len for p, n in zip(w.prompts, w.max_tokens))
