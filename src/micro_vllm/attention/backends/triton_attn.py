@@ -672,7 +672,7 @@ class TritonBackend(AttentionBackend):
           * heads are wider than 128: their programs run out of registers with both key sources;
           * its chunks are short enough for the decode tiles: the second key loop would get pipeline
             buffers of its own, doubling their shared memory (fp32 heads of 128 then overflow an
-            H200 block). Both by tests/helpers/hopper_compile.py."""
+            H200 block). The last two by tests/helpers/hopper_compile.py."""
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
         if head_size != cache_head_size or not self.supports_head_size(head_size):
