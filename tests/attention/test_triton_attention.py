@@ -10,6 +10,7 @@ shapes stay tiny; the GPU class uses real sizes.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
@@ -97,8 +98,11 @@ def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, t
     num_heads, num_kv_heads, head_size, block_size, dtype, window = shape
     if tiles == "small":
         use_small_tiles(monkeypatch)
+    picked = []
     if tiles == "long":  # the long-prefill tiles, on prompts the interpreter can run
         monkeypatch.setattr(triton_attn, "_LONG_QUERY", 2)
+        pick = triton_attn._pick_tiles
+        monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: picked.append(pick(*args)) or picked[-1])
     requests = random_requests(rng, num_decodes=3, num_chunks=2, max_context=2 * block_size + 5, max_chunk=19)
     batch = make_batch(
         rng,
@@ -113,12 +117,20 @@ def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, t
     )
     check_against_reference(batch, window)
     check_write_and_attend(batch, window)  # the step's own keys from its rows, not through the pages
+    if tiles == "long":  # 16-bit rows of 16-byte multiples come by TMA, the others through pointers
+        assert picked[-1].step_kv_tma == (dtype != torch.float32)
 
 
 def test_long_prompts_take_the_long_prefill_tiles() -> None:
     long = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128)
-    assert (long.block_m, long.num_warps, long.num_stages) == (128, 8, 3) and not long.one_qblock_per_req
-    assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128, fp32=True).num_stages == 2  # shared memory
+    assert (long.block_m, long.tile_n, long.num_warps, long.num_stages) == (128, 64, 8, 3)
+    assert not long.one_qblock_per_req and not long.step_kv_tma
+    # The step's rows by TMA, and twice the keys a step, only where TMA can copy them.
+    by_tma = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128, step_kv_aligned=True)
+    assert by_tma.step_kv_tma and (by_tma.block_m, by_tma.tile_n, by_tma.num_stages) == (128, 128, 3)
+    fp32 = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128, fp32=True, step_kv_aligned=True)
+    assert fp32.num_stages == 2 and not fp32.step_kv_tma  # shared memory; ptxas and two stages
+    assert not triton_attn._pick_tiles(triton_attn._LONG_QUERY - 1, 2, 128, step_kv_aligned=True).step_kv_tma
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY - 1, 2, 128).block_m == 64
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 16, 128).block_m == 128  # 8 queries of 16 heads
     assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 256).block_m == 64  # wide heads keep theirs
@@ -361,7 +373,7 @@ def check_write_and_attend(batch: Batch, window: int | None) -> None:
     decode step launches no write kernel (fp32 batches)."""
     _, _, _, num_kv_heads, head_size = batch.kv_cache.shape
     num_tokens = batch.query.shape[0]
-    new_kv = torch.randn(2, num_tokens, num_kv_heads, head_size, device=DEVICE)
+    new_kv = torch.randn(2, num_tokens, num_kv_heads, head_size, device=DEVICE).to(batch.query.dtype)  # as a layer's
     if batch.kv_cache.dtype.itemsize == 1:  # values past fp8's range, which it must saturate, not make NaN
         new_kv[:, :, 0, 0] = 1000.0
     expected_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
@@ -493,6 +505,34 @@ class TestOnGpu:
             n = md.common.num_actual_tokens
             assert torch.equal(graph_out[:n], eager[:n])
             torch.testing.assert_close(graph_out[:n].float(), expected[:n].float(), atol=3e-2, rtol=3e-2)
+
+    @pytest.mark.parametrize("window", [None, 1000])
+    def test_long_prompts_read_their_rows_by_tma(self, rng: random.Random, monkeypatch, window) -> None:
+        """The long-prefill tiles at the benchmark's heads: a prompt past _LONG_QUERY, one after
+        cached context and decodes beside them. The step's own K/V come through tensor descriptors,
+        eagerly and replayed from a CUDA graph (whose capture allocates the descriptors' memory)."""
+        long = triton_attn._LONG_QUERY
+        requests = [(long + rng.randint(1, 300), 0), (rng.randint(500, 1500), rng.randint(100, 2000))]
+        requests += [(1, rng.randint(1, 3000)) for _ in range(8)]
+        batch = make_batch(rng, requests, num_heads=16, num_kv_heads=8, head_size=128, block_size=16,
+                           dtype=torch.bfloat16, sliding_window=window, num_pad_tokens=3)
+        picked = []
+        pick = triton_attn._pick_tiles
+        monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: picked.append(pick(*args)) or picked[-1])
+        check_write_and_attend(batch, window)
+        assert picked[-1].step_kv_tma
+
+        backend, n = get_backend_cls("triton")(), batch.metadata.common.num_actual_tokens
+        key, value = torch.randn(2, batch.query.shape[0], 8, 128, device="cuda", dtype=torch.bfloat16)
+        attend = functools.partial(backend.write_and_attend, batch.query, key, value, batch.kv_cache.clone(),
+                                   batch.metadata, scale=128**-0.5, sliding_window=window)
+        eager = attend()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = attend()
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(captured[:n], eager[:n])
 
     def test_write_kv_large(self, rng: random.Random) -> None:
         num_tokens, num_blocks, block_size = 4096, 1024, 16

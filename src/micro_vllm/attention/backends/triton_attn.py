@@ -179,13 +179,15 @@ def _attend_tile(
     MASKED: tl.constexpr,  # False only for tiles every row sees in full
     HAS_WINDOW: tl.constexpr,
     FROM_STEP: tl.constexpr,  # the keys are this step's rows, not cached pages
+    STEP_KV_TMA: tl.constexpr,  # FROM_STEP only: k_base and v_base are tensor descriptors of the rows
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over keys [first_key + tile * TILE_N, first_key + (tile + 1) * TILE_N).
 
     Cached keys (``first_key`` 0) are read through the pages; this step's keys (``FROM_STEP``,
     ``first_key`` the request's context length) are rows of its key and value tensors, whose bases
-    ``k_base`` and ``v_base`` are then the request's first row."""
+    ``k_base`` and ``v_base`` are then the request's first row, or with ``STEP_KV_TMA`` descriptors of
+    the request's rows: the copy engine reads the tile, and rows past the request's read as 0."""
     offsets = tile * TILE_N + tl.arange(0, TILE_N)
     keys = first_key + offsets
     dims = tl.arange(0, HEAD_PAD)
@@ -198,19 +200,23 @@ def _attend_tile(
         v_mask = key_valid[:, None] & dim_valid[None, :]
     else:
         k_mask, v_mask = dim_valid[:, None], dim_valid[None, :]
-    if FROM_STEP:
-        k_offset = offsets.to(tl.int64) * stride_k
-        v_offset = offsets.to(tl.int64) * stride_v
+    if STEP_KV_TMA:
+        k = k_base.load([tile * TILE_N, 0]).T.to(q.dtype)
+        v = v_base.load([tile * TILE_N, 0]).to(q.dtype)
     else:
-        if MASKED:
-            page = tl.load(block_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        if FROM_STEP:
+            k_offset = offsets.to(tl.int64) * stride_k
+            v_offset = offsets.to(tl.int64) * stride_v
         else:
-            page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
-        k_offset = page * stride_block + (keys % BLOCK_SIZE) * stride_k
-        v_offset = k_offset
-    # An fp8 cache widens to the query's type here (fp16 for a bf16 model), so both products run as without it.
-    k = tl.load(k_base + k_offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_base + v_offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
+            if MASKED:
+                page = tl.load(block_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+            else:
+                page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
+            k_offset = page * stride_block + (keys % BLOCK_SIZE) * stride_k
+            v_offset = k_offset
+        # An fp8 cache widens to the query's type here (fp16 for a bf16 model), so both products run as without it.
+        k = tl.load(k_base + k_offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_base + v_offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION)  # scaled below, inside the exponent's FMA
     if MASKED:
@@ -239,6 +245,7 @@ def _attend_range(
     HEAD_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     FROM_STEP: tl.constexpr,
+    STEP_KV_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Tiles [tile_begin, tile_end) of one key source (``_attend_tile``). Those in [full_begin,
@@ -250,19 +257,19 @@ def _attend_range(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
             scale_log2, stride_block, stride_k, stride_v,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, FROM_STEP, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, FROM_STEP, STEP_KV_TMA, DOT_PRECISION,
         )
     for tile in range(full_begin, full_end):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
             scale_log2, stride_block, stride_k, stride_v,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, False, HAS_WINDOW, FROM_STEP, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, False, HAS_WINDOW, FROM_STEP, STEP_KV_TMA, DOT_PRECISION,
         )
     for tile in range(full_end, tile_end):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
             scale_log2, stride_block, stride_k, stride_v,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, FROM_STEP, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, FROM_STEP, STEP_KV_TMA, DOT_PRECISION,
         )
     return acc, m_i, l_i
 
@@ -316,6 +323,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr,
     WRITE_KV: tl.constexpr,  # decode only: store each request's new K/V here instead of a launch of its own
     KV_FROM_STEP: tl.constexpr,  # steps with prefill chunks: read this step's keys from key_ptr/value_ptr
+    STEP_KV_TMA: tl.constexpr,  # KV_FROM_STEP through tensor descriptors (_pick_tiles says when)
 ):
     kv_head = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -402,7 +410,7 @@ def _attention_kernel(
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, q_pos, tile_begin, full_begin, full_end, tile_end, 0, block_row, k_base, v_base,
         key_start, cache_end, window, scale_log2, cache_stride_block, cache_stride_tok, cache_stride_tok,
-        BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, False, DOT_PRECISION,
+        BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, False, False, DOT_PRECISION,
     )
     if KV_FROM_STEP:
         # This step's keys, after the cached ones (steps with prefill chunks have one split). Row j
@@ -414,13 +422,18 @@ def _attention_kernel(
         if HAS_WINDOW:
             step_full_begin = tl.cdiv(tl.maximum(key_end - window - context_len, 0), TILE_N)
         first_row = q_begin.to(tl.int64)
+        k_rows = key_ptr + first_row * key_stride_t + kv_head.to(tl.int64) * key_stride_h
+        v_rows = value_ptr + first_row * value_stride_t + kv_head.to(tl.int64) * value_stride_h
+        if STEP_KV_TMA:  # the request's rows: a tile past them reads 0, as a masked load would
+            k_rows = tl.make_tensor_descriptor(k_rows, shape=[q_len, HEAD_SIZE], strides=[key_stride_t, 1],
+                                               block_shape=[TILE_N, HEAD_PAD])
+            v_rows = tl.make_tensor_descriptor(v_rows, shape=[q_len, HEAD_SIZE], strides=[value_stride_t, 1],
+                                               block_shape=[TILE_N, HEAD_PAD])
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_pos, step_begin, step_full_begin, (first_q + 1) // TILE_N,
-            tl.cdiv(key_end - context_len, TILE_N), context_len, block_row,
-            key_ptr + first_row * key_stride_t + kv_head.to(tl.int64) * key_stride_h,
-            value_ptr + first_row * value_stride_t + kv_head.to(tl.int64) * value_stride_h,
+            tl.cdiv(key_end - context_len, TILE_N), context_len, block_row, k_rows, v_rows,
             key_start, key_end, window, scale_log2, 0, key_stride_t, value_stride_t,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, True, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, True, STEP_KV_TMA, DOT_PRECISION,
         )
     # The new token's key, in the program whose range ends the cached keys (split 0 when none is
     # cached): one more online-softmax column, then its K/V go to the cache for later steps.
@@ -491,6 +504,16 @@ def _merge_splits_kernel(
              mask=dim_valid)
 
 
+def _tma_aligned(rows: torch.Tensor) -> bool:
+    """Whether TMA can copy tiles of these rows: their start and strides are multiples of 16 bytes."""
+    return rows.data_ptr() % 16 == 0 and all(stride * rows.element_size() % 16 == 0 for stride in rows.stride()[:-1])
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory in which a launch's programs build their tensor descriptors (Triton asks at launch)."""
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
 def _head_pad(head_size: int) -> int:
     return max(16, triton.next_power_of_2(head_size))
 
@@ -528,14 +551,16 @@ class _Tiles(NamedTuple):
     # Decode tiles hold each request's queries in one block, so a program per request needs no
     # search. Prefill tiles always take the general path: one compiled variant for every prefill.
     one_qblock_per_req: bool
+    step_kv_tma: bool = False  # this step's K/V rows come through tensor descriptors (TMA)
 
 
 def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False,
-                fp32: bool = False) -> _Tiles:
+                fp32: bool = False, step_kv_aligned: bool = False) -> _Tiles:
     """Tile shape and launch parameters for a batch of this shape.
 
     Decode-like batches take 16 rows, the smallest tl.dot, and are memory-bound; prefill takes a
-    taller tile so each K/V tile loaded serves more queries.
+    taller tile so each K/V tile loaded serves more queries. ``step_kv_aligned``: the step's own K/V
+    rows are given, in the query's dtype, at addresses and strides TMA can copy (``_tma_aligned``).
     """
     if max_query_len * group <= 16:  # then max_query_len <= 16 // group, the tile's query tokens
         # Heads wider than 128 take half as many keys per step: 128 keys of 256 channels spill
@@ -554,8 +579,15 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
         # hold one program per SM, which with the longest programs started first beats two programs
         # of two stages each; fp32 tiles keep two, as three come within 3 KB of a block's shared
         # memory (tests/helpers/hopper_compile.py; benchmarks/attention_sweep.py; docs/benchmarks.md).
+        # The step's own rows come by TMA when they can: the copies take no registers for
+        # addresses, which is what lets 128 keys a step fit without spilling (with loads through
+        # pointers they spill). Only these tiles use it: with two stages ptxas crashes on the
+        # descriptor loads (Triton 3.6).
         if max_query_len >= _LONG_QUERY:
-            return _Tiles(max(128, rows), 64, 8, 2 if fp32 else 3, one_qblock_per_req=False)
+            if fp32:
+                return _Tiles(max(128, rows), 64, 8, 2, one_qblock_per_req=False)
+            return _Tiles(max(128, rows), 128 if step_kv_aligned else 64, 8, 3, one_qblock_per_req=False,
+                          step_kv_tma=step_kv_aligned)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
     # keeps more stages in flight (benchmarks/attention_sweep.py chose it; docs/benchmarks.md).
     return _Tiles(rows, 32, 4, 2, one_qblock_per_req=False)
@@ -692,8 +724,11 @@ class TritonBackend(AttentionBackend):
 
         group = num_heads // num_kv_heads
         max_query_len = common.max_query_len
+        key, value = (query, query) if step_kv is None else (t if t.stride(-1) == 1 else t.contiguous() for t in step_kv)
+        step_kv_aligned = (step_kv is not None and kv_cache.dtype == key.dtype == value.dtype == query.dtype
+                           and _tma_aligned(key) and _tma_aligned(value))
         tiles = _pick_tiles(max_query_len, group, head_size, kv_cache.dtype == torch.float8_e4m3fn,
-                            query.dtype == torch.float32)
+                            query.dtype == torch.float32, step_kv_aligned)
         block_q = tiles.block_m // group
         one_qblock = tiles.one_qblock_per_req
         grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
@@ -713,7 +748,9 @@ class TritonBackend(AttentionBackend):
 
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         window = sliding_window if sliding_window is not None else 0
-        key, value = (query, query) if step_kv is None else (t if t.stride(-1) == 1 else t.contiguous() for t in step_kv)
+        step_kv_tma = kv_from_step and tiles.step_kv_tma
+        if step_kv_tma:  # a ContextVar: set in the thread that launches
+            triton.set_allocator(_descriptor_scratch)
         if grid_q > _MAX_GRID_Y:
             raise ValueError(
                 f"a step of {num_tokens} tokens needs {grid_q} query blocks; at most {_MAX_GRID_Y} fit a grid"
@@ -764,6 +801,7 @@ class TritonBackend(AttentionBackend):
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             WRITE_KV=step_kv is not None and max_query_len == 1,
             KV_FROM_STEP=kv_from_step,
+            STEP_KV_TMA=step_kv_tma,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
