@@ -50,6 +50,7 @@ from helpers.gpu_helpers import (
 from helpers.model_shapes import SHAPES, shape_id, shape_overrides
 from helpers.structured_output import MAX_TOKENS, REQUESTS, check_all, generate
 from micro_vllm import LLM, SamplingParams
+from micro_vllm.attention.backends import triton_attn
 from micro_vllm.model_loader.default_model_download import DefaultModelUnavailable, default_model_path
 from micro_vllm.worker.cuda_graphs import MIN_DECODE_GRAPH_BATCH, CudaGraphShape
 from helpers.tiny_models import make_tiny_model
@@ -551,6 +552,29 @@ def test_mixed_graphs_of_more_tokens_than_a_request_match_eager(model_dirs, refs
         without = token_ids(eager.generate(prompts, greedy(8), use_tqdm=False))
     assert max(shape.num_tokens for _, shape in replays.replays if not shape.uniform_decode) == 256
     refs.assert_same_greedy("llama", torch.bfloat16, prompts, with_graphs, without, "long mixed graphs vs eager")
+
+
+def test_mixed_graphs_on_both_sides_of_the_long_query_tiles_match_eager(model_dirs, refs, monkeypatch):
+    """With the long-prefill tiles from 48-token queries on, each mixed graph whose query bound
+    reaches 48 is captured twice: a step of short prompts replays the one bounded below 48 (the
+    general tiles), a step with a longer prompt the other (the long tiles, the step's K/V by TMA).
+    Both give the eager engine's tokens."""
+    monkeypatch.setattr(triton_attn, "_LONG_QUERY", 48)
+    monkeypatch.setattr(triton_attn.TritonBackend, "long_query_len", 48)
+    batches = [_prompts([20, 25, 30], seed=8), _prompts([60, 10], seed=9)]  # 75 and 70 tokens: the 128-token graphs
+    settings = dict(max_model_len=128, max_num_batched_tokens=128)
+    with engine(model_dirs["llama"], **settings) as graphs:
+        replays = GraphReplays(runner_of(graphs))
+        try:
+            with_graphs = [token_ids(graphs.generate(prompts, greedy(8), use_tqdm=False)) for prompts in batches]
+        finally:
+            replays.restore()
+    with engine(model_dirs["llama"], enforce_eager=True, **settings) as eager:
+        without = [token_ids(eager.generate(prompts, greedy(8), use_tqdm=False)) for prompts in batches]
+    bounds = {shape.max_query_len for _, shape in replays.replays if shape.num_tokens == 128}
+    assert bounds == {47, 128}, f"the 128-token steps replayed graphs bounded at {sorted(bounds)}"
+    for prompts, got, expected in zip(batches, with_graphs, without):
+        refs.assert_same_greedy("llama", torch.bfloat16, prompts, got, expected, "mixed graphs by query bound vs eager")
 
 
 # -- chunked prefill and prefix caching on vs off ------------------------------------------------

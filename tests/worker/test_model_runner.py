@@ -148,28 +148,47 @@ def test_a_decode_step_padded_to_a_graph_size_stages_dummies_that_write_nowhere(
 
 
 def test_graph_shapes_cover_decodes_and_short_steps_with_prefill_chunks():
-    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=100)
+    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=100, max_model_len=200)
     decode = [s.num_reqs for s in shapes if s.uniform_decode]
     mixed = [(s.num_tokens, s.num_reqs) for s in shapes if not s.uniform_decode]
     assert decode == [8, 16, 32, 48, 64]
     assert mixed == [(32, 4), (32, 16), (64, 4), (64, 16), (64, 32), (100, 4), (100, 16), (100, 50)]
     graphs = CudaGraphs()
     graphs.shapes = sorted(shapes)
-    assert graphs.shape_for(1, 1) == graphs.shape_for(3, 3) == CudaGraphShape(8, 8)
-    assert graphs.shape_for(1, 20) == CudaGraphShape(32, 4)  # padded to 32 tokens, a dummy prompt in slot 4
-    assert graphs.shape_for(4, 20) == CudaGraphShape(32, 16)  # no slot left for the padding in (32, 4)
-    assert graphs.shape_for(16, 32) == CudaGraphShape(64, 32)  # neither (32, 16) nor (64, 16) has a slot to spare
-    assert graphs.shape_for(2, 65) == CudaGraphShape(100, 4)
-    assert graphs.shape_for(2, 101) is None and graphs.shape_for(65, 65) is None
+    assert graphs.shape_for(1, 1, 1) == graphs.shape_for(3, 3, 1) == CudaGraphShape(8, 8, 1)
+    assert graphs.shape_for(1, 20, 20) == CudaGraphShape(32, 4, 32)  # padded to 32 tokens, a dummy prompt in slot 4
+    assert graphs.shape_for(4, 20, 9) == CudaGraphShape(32, 16, 32)  # no slot left for the padding in (32, 4)
+    assert graphs.shape_for(16, 32, 2) == CudaGraphShape(64, 32, 64)  # neither (32, 16) nor (64, 16) has a slot to spare
+    assert graphs.shape_for(2, 65, 64) == CudaGraphShape(100, 4, 100)
+    assert graphs.shape_for(2, 101, 100) is None and graphs.shape_for(65, 65, 1) is None
     # Mixed graphs reach the token budget whatever the longest request; the query bound they are
     # captured with does not exceed it.
-    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=1000)
+    shapes = cudagraph_capture_shapes(max_num_seqs=64, max_num_batched_tokens=1000, max_model_len=40)
     largest = max(s for s in shapes if not s.uniform_decode)
-    assert largest.num_tokens == 1000 and largest.max_query_len(40) == 40
-    assert CudaGraphShape(32, 4).max_query_len(40) == 32 and CudaGraphShape(16, 16).max_query_len(40) == 1
+    assert largest.num_tokens == 1000 and largest.max_query_len == 40
+    assert {s.max_query_len for s in shapes if s.num_tokens == 32 and not s.uniform_decode} == {32}
     # One running request: a slot more for the dummy prompt.
-    shapes = cudagraph_capture_shapes(max_num_seqs=1, max_num_batched_tokens=64)
-    assert shapes == [CudaGraphShape(1, 1), CudaGraphShape(32, 2), CudaGraphShape(64, 2)]
+    shapes = cudagraph_capture_shapes(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64)
+    assert shapes == [CudaGraphShape(1, 1, 1), CudaGraphShape(32, 2, 32), CudaGraphShape(64, 2, 64)]
+
+
+def test_graphs_long_enough_for_the_long_query_tiles_come_twice():
+    """Where a mixed graph's query bound reaches the backend's long_query_len, a second graph is
+    bounded below it: a step of short prompts replays that one (the tiles of short prompts), a step
+    with a long prompt the other."""
+    shapes = cudagraph_capture_shapes(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=200,
+                                      long_query_len=100)
+    bounds = {}
+    for s in shapes:
+        if not s.uniform_decode:
+            bounds.setdefault(s.num_tokens, set()).add(s.max_query_len)
+    assert bounds == {32: {32}, 64: {64}, 128: {99, 128}, 256: {99, 200}}
+    graphs = CudaGraphs()
+    graphs.shapes = sorted(shapes)
+    assert graphs.shape_for(3, 120, 99) == CudaGraphShape(128, 4, 99)
+    assert graphs.shape_for(3, 120, 100) == CudaGraphShape(128, 4, 128)
+    assert graphs.shape_for(2, 250, 150) == CudaGraphShape(256, 4, 200)
+    assert graphs.shape_for(2, 250, 201) is None  # longer than any graph's bound (and than max_model_len)
 
 
 def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_nowhere(tmp_path, monkeypatch):
@@ -206,10 +225,12 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
         buffers = runner.buffers
         # (32, 4): slot 2 has no query; the dummy prompt in slot 3 takes the 22 padding tokens over
         # the null block. (128, 4): the dummy prompt takes max_model_len (64) of the 118 padding
-        # tokens, all its block-table row reaches; the 54 after it belong to no request.
+        # tokens, all its block-table row reaches; the 54 after it belong to no request. (128, 4) bounded
+        # at 40, as a graph below a backend's long_query_len: the dummy prompt stops at the bound.
         for shape, max_query_len, query_start_loc, seq_lens in [
-            (CudaGraphShape(32, 4), 32, [0, 1, 10, 10, 32], [6, 9, 0, 22]),
-            (CudaGraphShape(128, 4), 64, [0, 1, 10, 10, 74], [6, 9, 0, 64]),
+            (CudaGraphShape(32, 4, 32), 32, [0, 1, 10, 10, 32], [6, 9, 0, 22]),
+            (CudaGraphShape(128, 4, 64), 64, [0, 1, 10, 10, 74], [6, 9, 0, 64]),
+            (CudaGraphShape(128, 4, 40), 40, [0, 1, 10, 10, 50], [6, 9, 0, 40]),
         ]:
             for layer, cache in zip(layers, before):
                 layer.kv_cache.copy_(cache)
@@ -217,8 +238,8 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
                                   (buffers.positions, 9), (buffers.block_tables[0], 3),
                                   (buffers.slot_mappings[0], 70)]:
                 buffer.np[:] = stale
-            assert shape.fits(2, 10)
-            monkeypatch.setattr(runner.cuda_graphs, "shape_for", lambda num_reqs, num_tokens, shape=shape: shape)
+            assert shape.fits(2, 10, 9)
+            monkeypatch.setattr(runner.cuda_graphs, "shape_for", lambda *step, shape=shape: shape)
             padded = runner.prepare_inputs(plan, req_ids, rows)
             assert padded.cuda_graph_shape == shape and padded.num_tokens == 10
             common = padded.attn_metadata[0].common

@@ -37,43 +37,46 @@ MIXED_GRAPH_REQUEST_SLOTS = (4, 16, 64, 256)
 
 @dataclass(frozen=True, order=True)
 class CudaGraphShape:
-    """The step a graph was captured for (vLLM: BatchDescriptor): its tokens and request slots.
+    """The step a graph was captured for (vLLM: BatchDescriptor): its tokens, request slots and
+    longest query.
 
     Equal counts make a decode graph: one query per request, the attention's decode path. Otherwise
-    the graph serves steps with prefill chunks: its metadata states a bound on the longest query that
-    every step it serves meets (``max_query_len``), so the attention takes its general path
-    (prefill tiles, grid from tokens and requests alone) and one graph serves any mix of query
-    lengths."""
+    the graph serves steps with prefill chunks: its metadata states ``max_query_len``, a bound on the
+    longest query that every step it serves meets, so the attention takes its general path (prefill
+    tiles, grid from tokens and requests alone) and one graph serves any mix of query lengths
+    within the bound."""
 
     num_tokens: int
     num_reqs: int
+    max_query_len: int
 
     @property
     def uniform_decode(self) -> bool:
         return self.num_tokens == self.num_reqs
 
-    def max_query_len(self, max_model_len: int) -> int:
-        """The longest query the graph is captured for: 1 for a decode batch; for a step with prefill
-        chunks its token count, or ``max_model_len`` when that is less (no query is longer), so a
-        long step of short prompts keeps the attention tiles of prompts of that length."""
-        return 1 if self.uniform_decode else min(self.num_tokens, max_model_len)
-
-    def fits(self, num_reqs: int, num_tokens: int) -> bool:
-        """Whether a step of this many requests and tokens pads to this shape: a decode batch to a
-        decode graph; a step with prefill chunks to a mixed graph with a request slot to spare, the
-        last one, which takes the padding tokens."""
+    def fits(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
+        """Whether a step of this many requests and tokens, and this longest query, pads to this
+        shape: a decode batch to a decode graph; a step with prefill chunks to a mixed graph with a
+        request slot to spare, the last one, which takes the padding tokens."""
         if num_tokens == num_reqs:
             return self.uniform_decode and num_reqs <= self.num_reqs
-        return not self.uniform_decode and num_tokens <= self.num_tokens and num_reqs < self.num_reqs
+        return (not self.uniform_decode and num_tokens <= self.num_tokens and num_reqs < self.num_reqs
+                and max_query_len <= self.max_query_len)
 
 
-def cudagraph_capture_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[CudaGraphShape]:
+def cudagraph_capture_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                             long_query_len: int | None = None) -> list[CudaGraphShape]:
     """The decode batch sizes (vLLM's ``cudagraph_capture_sizes``) and the mixed-step shapes that
-    get a graph: steps up to these limits replay one, larger ones run eagerly."""
+    get a graph: steps up to these limits replay one, larger ones run eagerly.
+
+    A mixed graph bounds its longest query by its token count, or by ``max_model_len`` when that is
+    less (no query is longer). From ``long_query_len`` on, the attention backend takes other tiles
+    (``AttentionBackend.long_query_len``): a token count whose bound reaches it gets a second graph
+    bounded below it, so a long step of short prompts keeps the tiles of short prompts."""
     # Past a few hundred decodes launch overhead is a small share of a step (vLLM stops at 512 too).
     limit = min(max_num_seqs, MAX_CUDA_GRAPH_BATCH)
     sizes = {s for s in [MIN_DECODE_GRAPH_BATCH, *range(16, limit + 1, 16)] if s <= limit} | {limit}
-    shapes = [CudaGraphShape(size, size) for size in sorted(sizes)]
+    shapes = [CudaGraphShape(size, size, 1) for size in sorted(sizes)]
     # A mixed step has more tokens than requests; one needing more than half its token count in
     # slots (its requests and the padding's dummy, one slot past max_num_seqs at most) fits the next
     # token count up.
@@ -85,8 +88,10 @@ def cudagraph_capture_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> 
         num_tokens *= 2
     for num_tokens in sorted(token_counts):
         slots = min(num_tokens // 2, max_num_seqs + 1)
+        bound = min(num_tokens, max_model_len)
+        bounds = [long_query_len - 1, bound] if long_query_len is not None and bound >= long_query_len else [bound]
         for num_reqs in sorted({s for s in MIXED_GRAPH_REQUEST_SLOTS if s < slots} | {slots}):
-            shapes.append(CudaGraphShape(num_tokens, num_reqs))
+            shapes.extend(CudaGraphShape(num_tokens, num_reqs, max_query_len) for max_query_len in bounds)
     return shapes
 
 
@@ -106,11 +111,12 @@ def pad_decode_batch(buffers: InputBuffers, num_reqs: int, size: int) -> None:
 def pad_mixed_batch(buffers: InputBuffers, num_reqs: int, num_tokens: int, shape: CudaGraphShape) -> None:
     """Stage a step with prefill chunks as ``shape``: its padding tokens form a dummy prompt in the
     last request slot, which reads only the null block and writes nowhere, and the slots between
-    hold requests without a query, which the attention skips. The dummy prompt is at most
-    ``max_model_len`` tokens long, all a block-table row reaches; padding tokens past it belong to no
-    request, so the attention leaves their rows alone, and every other op works row by row."""
+    hold requests without a query, which the attention skips. The dummy prompt is at most the
+    shape's longest query (itself at most ``max_model_len``, all a block-table row reaches); padding
+    tokens past it belong to no request, so the attention leaves their rows alone, and every other
+    op works row by row."""
     last = shape.num_reqs - 1
-    dummy_len = min(shape.num_tokens - num_tokens, buffers.max_model_len)
+    dummy_len = min(shape.num_tokens - num_tokens, shape.max_query_len)
     buffers.query_start_loc.np[num_reqs : shape.num_reqs] = num_tokens
     buffers.query_start_loc.np[shape.num_reqs] = num_tokens + dummy_len
     buffers.seq_lens.np[num_reqs:last] = 0
@@ -149,7 +155,7 @@ class CudaGraphs:
         for shape in sorted(shapes, reverse=True):
             pad_batch(buffers, 0, 0, shape)
             metadata = buffers.attention_metadata(
-                shape.num_reqs, shape.num_tokens, shape.max_query_len(max_model_len), max_model_len,
+                shape.num_reqs, shape.num_tokens, shape.max_query_len, max_model_len,
                 num_cols=buffers.num_cols(min(shape.num_tokens, max_model_len)),
             )
             args = (buffers.input_ids.copy_to_device(shape.num_tokens),
@@ -165,14 +171,15 @@ class CudaGraphs:
         self.shapes = sorted(self.graphs)
         logger.info("captured CUDA graphs for decode batch sizes %s and (tokens, requests) of mixed steps %s",
                     [s.num_reqs for s in self.shapes if s.uniform_decode],
-                    [(s.num_tokens, s.num_reqs) for s in self.shapes if not s.uniform_decode])
+                    [(s.num_tokens, s.num_reqs, s.max_query_len) for s in self.shapes if not s.uniform_decode])
 
-    def shape_for(self, num_reqs: int, num_tokens: int) -> CudaGraphShape | None:
-        """The smallest captured shape this step pads to, if any."""
+    def shape_for(self, num_reqs: int, num_tokens: int, max_query_len: int) -> CudaGraphShape | None:
+        """The smallest captured shape this step pads to, if any (of two that differ only in their
+        query bound, the lower)."""
         if not self.shapes:  # eager
             return None
-        first = bisect.bisect_left(self.shapes, CudaGraphShape(num_tokens, 0))
-        return next((shape for shape in self.shapes[first:] if shape.fits(num_reqs, num_tokens)), None)
+        first = bisect.bisect_left(self.shapes, CudaGraphShape(num_tokens, 0, 0))
+        return next((shape for shape in self.shapes[first:] if shape.fits(num_reqs, num_tokens, max_query_len)), None)
 
     def replay(self, shape: CudaGraphShape, num_tokens: int) -> torch.Tensor:
         """Run the graph of ``shape`` on the staged step (padded to it): the hidden states of its

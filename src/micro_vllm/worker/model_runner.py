@@ -238,7 +238,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             warm_up(self)
         if settings.use_cuda_graphs:
-            shapes = cudagraph_capture_shapes(settings.max_num_seqs, settings.max_num_batched_tokens)
+            shapes = cudagraph_capture_shapes(settings.max_num_seqs, settings.max_num_batched_tokens,
+                                              settings.max_model_len, self.attn_backend.long_query_len)
             self.cuda_graphs.capture(self.model, self.buffers, shapes)
         if self.device.type == "cuda":
             warm_up_allocators(self)
@@ -399,13 +400,13 @@ class ModelRunner:
         prompt_logprobs = []
         if self._asks_prompt_logprobs(rows):
             prompt_logprobs = self._plan_prompt_logprobs(req_ids, rows, query_start_loc, num_computed, num_scheduled)
-        graph_shape = self.cuda_graphs.shape_for(num_reqs, num_tokens)
+        graph_shape = self.cuda_graphs.shape_for(num_reqs, num_tokens, max_query_len)
         padded_reqs, padded_tokens = num_reqs, num_tokens
         if graph_shape is not None:  # the graph reads the step buffers: their rows up to its shape
             pad_batch(buffers, num_reqs, num_tokens, graph_shape)
             padded_reqs, padded_tokens = graph_shape.num_reqs, graph_shape.num_tokens
             # The metadata the graph was captured with, and the dummy requests' contexts.
-            max_query_len = graph_shape.max_query_len(self.settings.max_model_len)
+            max_query_len = graph_shape.max_query_len
             max_seq_len = int(buffers.seq_lens.np[:padded_reqs].max())
             num_cols = buffers.num_cols(max_seq_len)
         inputs = StepInputs(

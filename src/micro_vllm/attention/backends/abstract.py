@@ -85,6 +85,10 @@ class AttentionBackend(ABC):
     # True when forward reads per-step sizes only from device tensors, so a CUDA graph captured for
     # one decode batch replays correctly for any context lengths.
     cuda_graph_safe: bool = False
+    # Steps whose longest query has at least this many tokens take other kernel tiles (None: the
+    # kernels do not change with it). A CUDA graph bakes in the tiles of the query bound it was
+    # captured with, so mixed-step graphs are captured on both sides of it (worker/cuda_graphs.py).
+    long_query_len: int | None = None
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:

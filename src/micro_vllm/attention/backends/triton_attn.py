@@ -86,8 +86,7 @@ from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 _MAX_SPLITS = 16
 _MIN_SPLIT_KEYS = 128
 # Steps whose longest query has at least this many tokens take the long-prefill tiles (_pick_tiles).
-# A mixed-step CUDA graph states its token count (at most max_model_len) as its longest query, so
-# graphs of that many tokens take them too, whatever the prompts they replay.
+# Mixed-step CUDA graphs of more tokens are captured for both tiles (TritonBackend.long_query_len).
 _LONG_QUERY = 6144
 _MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension, where the query blocks are
 # A program holds a [BLOCK_M, head size] fp32 accumulator and K/V tiles of the head size: past 256
@@ -633,6 +632,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 class TritonBackend(AttentionBackend):
     builder_cls = TritonAttentionMetadataBuilder
     cuda_graph_safe = True  # grids depend on batch shape only; lengths are read on the device
+    long_query_len = _LONG_QUERY  # the long-prefill tiles (_pick_tiles)
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
