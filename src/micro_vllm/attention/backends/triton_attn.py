@@ -11,7 +11,8 @@ they shape:
   the loop reads the cached keys and the new token's key joins the softmax from registers.
   In a step with prefill chunks (``KV_FROM_STEP``, when ``TritonBackend._attend`` takes it) the cached
   keys come through the pages and this step's own keys, which the write kernel has just stored, from
-  the step's K/V rows: contiguous rows need no page lookup per key.
+  the step's K/V rows: contiguous rows need no page lookup per key. On the long-prefill tiles the
+  copy engine reads them (``STEP_KV_TMA``: each program builds tensor descriptors of its request's rows).
   For decode-only batches with few requests it runs split-KV ("flash decoding"): several programs
   share one request's context and ``_merge_splits_kernel`` combines their partial results.
 
