@@ -49,8 +49,10 @@ PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(6
 # tiles, the long-prefill ones and an fp8 cache's: where the long-prefill tiles start to win decides
 # triton_attn._LONG_QUERY.
 LONG_PREFILL_STEPS = ((16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8000), (2, 8000))
+# The last two read the step's own K/V through TMA descriptors (the long tiles' default since 81bc069).
 LONG_PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(128, 64, 8, 3, False),
-                      Tiles(128, 64, 8, 2, False), Tiles(128, 128, 8, 2, False), Tiles(128, 32, 8, 2, False)]
+                      Tiles(128, 64, 8, 2, False), Tiles(128, 128, 8, 2, False), Tiles(128, 32, 8, 2, False),
+                      Tiles(128, 64, 8, 3, False, True), Tiles(128, 128, 8, 3, False, True)]
 SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
@@ -121,8 +123,9 @@ def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split
             rate = work / (ms * 1e-3) / 1e12
             rows.append({"batch": name, "tiles": tiles._asdict(), "splits": num_splits, "ms": ms, unit: rate,
                          "max_abs_diff": error})
+            tma = " tma" if tiles.step_kv_tma else ""
             print(f"{name:10s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
-                  f"{tiles.num_stages} splits {num_splits or 'auto'}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  "
+                  f"{tiles.num_stages}{tma} splits {num_splits or 'auto'}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  "
                   f"max |diff| {error:.1e}")
     return rows
 

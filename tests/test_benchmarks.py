@@ -222,7 +222,7 @@ def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatc
 
     def launched_tiles():
         k = launches[-1]
-        return (k["BLOCK_M"], k["TILE_N"], k["num_warps"], k["num_stages"], k["ONE_QBLOCK_PER_REQ"])
+        return (k["BLOCK_M"], k["TILE_N"], k["num_warps"], k["num_stages"], k["ONE_QBLOCK_PER_REQ"], k["STEP_KV_TMA"])
 
     pick = triton_attn._pick_tiles
     for query_lens, context_lens, tiles in (([1, 1, 1], [20, 45, 3], sweep.Tiles(16, 64, 4, 3, True)),
