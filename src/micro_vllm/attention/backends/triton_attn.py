@@ -253,24 +253,19 @@ def _attend_range(
     the first and last few tiles of a range need it."""
     full_begin = tl.minimum(tl.maximum(full_begin, tile_begin), tile_end)
     full_end = tl.minimum(tl.maximum(full_end, full_begin), tile_end)
-    for tile in range(tile_begin, full_begin):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
-            scale_log2, stride_block, stride_k, stride_v,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, FROM_STEP, STEP_KV_TMA, DOT_PRECISION,
-        )
-    for tile in range(full_begin, full_end):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
-            scale_log2, stride_block, stride_k, stride_v,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, False, HAS_WINDOW, FROM_STEP, STEP_KV_TMA, DOT_PRECISION,
-        )
-    for tile in range(full_end, tile_end):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
-            scale_log2, stride_block, stride_k, stride_v,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, HAS_WINDOW, FROM_STEP, STEP_KV_TMA, DOT_PRECISION,
-        )
+    for part in tl.static_range(3):  # masked edge tiles, the unmasked middle, masked edge tiles
+        if part == 0:
+            begin, end = tile_begin, full_begin
+        elif part == 1:
+            begin, end = full_begin, full_end
+        else:
+            begin, end = full_end, tile_end
+        for tile in range(begin, end):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
+                scale_log2, stride_block, stride_k, stride_v,
+                BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, part != 1, HAS_WINDOW, FROM_STEP, STEP_KV_TMA, DOT_PRECISION,
+            )
     return acc, m_i, l_i
 
 
