@@ -80,6 +80,13 @@ def use_small_tiles(monkeypatch) -> None:
     monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: pick(*args)._replace(tile_n=16))
 
 
+def record_tile_picks(monkeypatch) -> list:
+    """The tiles the backend picks from now on, one per launch, in order."""
+    pick, picked = triton_attn._pick_tiles, []
+    monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: picked.append(pick(*args)) or picked[-1])
+    return picked
+
+
 def split_decode_steps(monkeypatch, num_splits: int) -> None:
     """Decode steps split in ``num_splits``; steps with prefill chunks keep one split, as the
     backend's own rule has them (their programs read the step's keys after the cached ones)."""
@@ -98,11 +105,9 @@ def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, t
     num_heads, num_kv_heads, head_size, block_size, dtype, window = shape
     if tiles == "small":
         use_small_tiles(monkeypatch)
-    picked = []
     if tiles == "long":  # the long-prefill tiles, on prompts the interpreter can run
         monkeypatch.setattr(triton_attn, "_LONG_QUERY", 2)
-        pick = triton_attn._pick_tiles
-        monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: picked.append(pick(*args)) or picked[-1])
+        picked = record_tile_picks(monkeypatch)
     requests = random_requests(rng, num_decodes=3, num_chunks=2, max_context=2 * block_size + 5, max_chunk=19)
     batch = make_batch(
         rng,
@@ -516,9 +521,7 @@ class TestOnGpu:
         requests += [(1, rng.randint(1, 3000)) for _ in range(8)]
         batch = make_batch(rng, requests, num_heads=16, num_kv_heads=8, head_size=128, block_size=16,
                            dtype=torch.bfloat16, sliding_window=window, num_pad_tokens=3)
-        picked = []
-        pick = triton_attn._pick_tiles
-        monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: picked.append(pick(*args)) or picked[-1])
+        picked = record_tile_picks(monkeypatch)
         check_write_and_attend(batch, window)
         assert picked[-1].step_kv_tma
 

@@ -721,7 +721,9 @@ class TritonBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         max_query_len = common.max_query_len
         key, value = (query, query) if step_kv is None else (t if t.stride(-1) == 1 else t.contiguous() for t in step_kv)
-        step_kv_aligned = (step_kv is not None and kv_cache.dtype == key.dtype == value.dtype == query.dtype
+        # Only the long-prefill tiles read by TMA: other steps (every decode) skip the checks.
+        step_kv_aligned = (max_query_len >= _LONG_QUERY and step_kv is not None
+                           and kv_cache.dtype == key.dtype == value.dtype == query.dtype
                            and _tma_aligned(key) and _tma_aligned(value))
         tiles = _pick_tiles(max_query_len, group, head_size, kv_cache.dtype == torch.float8_e4m3fn,
                             query.dtype == torch.float32, step_kv_aligned)
@@ -744,8 +746,7 @@ class TritonBackend(AttentionBackend):
 
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         window = sliding_window if sliding_window is not None else 0
-        step_kv_tma = kv_from_step and tiles.step_kv_tma
-        if step_kv_tma:  # a ContextVar: set in the thread that launches
+        if tiles.step_kv_tma:  # (taken with kv_from_step) a ContextVar: set in the thread that launches
             triton.set_allocator(_descriptor_scratch)
         if grid_q > _MAX_GRID_Y:
             raise ValueError(
@@ -797,7 +798,7 @@ class TritonBackend(AttentionBackend):
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             WRITE_KV=step_kv is not None and max_query_len == 1,
             KV_FROM_STEP=kv_from_step,
-            STEP_KV_TMA=step_kv_tma,
+            STEP_KV_TMA=tiles.step_kv_tma,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
