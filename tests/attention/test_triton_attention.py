@@ -109,6 +109,8 @@ def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, t
         monkeypatch.setattr(triton_attn, "_LONG_QUERY", 2)
         picked = record_tile_picks(monkeypatch)
     requests = random_requests(rng, num_decodes=3, num_chunks=2, max_context=2 * block_size + 5, max_chunk=19)
+    if tiles == "long":  # a chunk taller than the decode tiles, so that the step takes the long ones
+        requests.append((17, rng.randint(0, 2 * block_size + 5)))
     batch = make_batch(
         rng,
         requests,
