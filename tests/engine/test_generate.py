@@ -1,6 +1,9 @@
 """End to end through LLM -> Engine -> Scheduler -> Executor -> Worker -> ModelRunner, against
 transformers, token by token (fp32, CPU, tiny random models)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -217,3 +220,18 @@ def test_without_detokenize_only_token_ids(model_dirs):
     params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=d) for d in (True, False)]
     with_text, without = (o.outputs[0] for o in llm.generate([PROMPTS[1]] * 2, params, use_tqdm=False))
     assert without.token_ids == with_text.token_ids and without.text == "" and with_text.text != ""
+
+
+def test_the_engine_freezes_its_start_up_heap_and_a_dropped_one_still_frees_it(model_dirs):
+    """Full collections skip what start-up made (the collector no longer tracks it), and an engine that
+    is shut down and dropped frees it all the same, by reference counting: a reference cycle through
+    the engine would keep it, and its memory, for the life of the process."""
+    llm = _llm(model_dirs["qwen3"], "sdpa")
+    llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    runner = llm.engine.executor.worker.model_runner
+    refs = [weakref.ref(o) for o in (llm.engine, llm.engine.scheduler, runner, runner.model)]
+    collected = {id(o) for o in gc.get_objects()}
+    assert id(llm.engine.scheduler) not in collected and id(runner.model) not in collected
+    llm.shutdown()
+    del llm, runner
+    assert [ref() for ref in refs] == [None] * len(refs)

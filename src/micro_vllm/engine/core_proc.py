@@ -15,7 +15,6 @@ sends back, in order, one message each:
 
 from __future__ import annotations
 
-import gc
 import pickle
 import signal
 from multiprocessing.connection import Connection
@@ -35,11 +34,6 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
     except BaseException as error:  # noqa: BLE001 - the caller of AsyncLLM() gets it
         conn.send(("dead", _picklable(error)))
         return
-    # What start-up made (the model's modules, the tokenizer, compiled kernels) lives as long as this
-    # process: moved out of the collector's generations, it is not scanned again by every full
-    # collection that the per-step outputs (logprob dicts above all) set off, as in vLLM's engine core.
-    gc.collect()
-    gc.freeze()
     try:
         conn.send(("ready", engine.max_model_len, engine.vocab_size))
         EngineCoreProc(engine, conn).run()

@@ -13,6 +13,7 @@ as a fresh one would (``abort_all_requests``).
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import deque
 from collections.abc import Iterable
@@ -81,6 +82,13 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer)
         if self.tracer is not None:
             self.tracer.record_start(self._run_info(), self.scheduler.stats)
+        # What start-up made (the model's modules, the tokenizer, compiled kernels, CUDA graphs) lives
+        # as long as the engine: moved out of the collector's generations, it is not scanned again by
+        # the full collections that the steps' own objects set off, each of which would stall a step
+        # for as long as the whole heap takes to scan (vLLM's worker freezes it after warm-up too).
+        # Nothing is lost: an engine that is dropped frees its objects by reference counting.
+        gc.collect()
+        gc.freeze()
 
     # -- requests ------------------------------------------------------------------------------
 
