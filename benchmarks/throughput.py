@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import time
 from collections import defaultdict
@@ -104,6 +105,28 @@ def time_phases(llm: LLM):
                 delattr(obj, method)  # the instance attribute shadowed the class's method
             else:
                 setattr(obj, method, original)
+
+
+@contextlib.contextmanager
+def collector_pauses():
+    """Count the garbage collector's collections and their wall time per generation: a full one
+    (generation 2) scans every object the collector tracks, stalling whichever step it falls in."""
+    pauses = {generation: [0, 0.0] for generation in range(3)}
+    started = [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pause = pauses[info["generation"]]
+            pause[0] += 1
+            pause[1] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
 
 
 PHASES = ("step", "schedule", "execute", "prepare", "forward", "sample", "get_output", "update")
@@ -251,7 +274,7 @@ def main() -> None:
     results = {"startup_s": round(startup, 1), "num_blocks": llm.engine.num_blocks, "runs": []}
     for _ in range(args.repeat):
         compiled_before = triton_compilations()
-        with time_phases(llm) as phases:
+        with time_phases(llm) as phases, collector_pauses() as pauses:
             tokens, seconds, cached = run_micro_vllm(llm, prompts, max_tokens, args.temperature, args.sampling_params)
         compiled = triton_compilations() - compiled_before
         steps = int(phases["schedule_calls"])
@@ -260,10 +283,12 @@ def main() -> None:
                        "waiting_s": round(phases[k + "_wait"], 3)} for k in STEP_KINDS}
         results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds),
                                 "cached_prompt_tokens": cached, "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
-                                "triton_compilations": compiled})
+                                "triton_compilations": compiled,
+                                "gc_collections": {g: {"count": n, "ms": round(1e3 * s, 1)} for g, (n, s) in pauses.items()}})
         print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
               f"{steps} steps, mean us/step {breakdown}; Triton compilations during the run: {compiled}; "
-              f"prompt tokens from the prefix cache: {cached:,}")
+              f"prompt tokens from the prefix cache: {cached:,}; garbage collections (generation: count, ms) "
+              + ", ".join(f"{g}: {n}, {1e3 * s:.1f}" for g, (n, s) in pauses.items()))
         for kind, row in by_kind.items():
             mean, wait = (1e3 * row[k] / row["steps"] if row["steps"] else 0.0 for k in ("seconds", "waiting_s"))
             print(f"  steps {kind:>15}: {row['steps']:5d} steps, {row['seconds']:6.2f} s, {mean:6.2f} ms/step "

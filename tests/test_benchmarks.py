@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -59,6 +60,18 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     assert "execute_model" not in vars(engine.executor)
     assert not {"prepare_inputs", "run_model", "sample"} & set(vars(runner))
     assert DeviceStepOutput.get_output.__qualname__ == "DeviceStepOutput.get_output"
+
+
+def test_collector_pauses_counts_each_generation_and_unhooks():
+    callbacks = list(gc.callbacks)
+    with throughput.collector_pauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+        gc.collect(0)
+    gc.collect()  # after the block: not counted
+    assert [pauses[g][0] for g in range(3)] == [2, 0, 1]
+    assert all(seconds > 0 for count, seconds in pauses.values() if count)
+    assert gc.callbacks == callbacks
 
 
 def test_every_timed_run_starts_from_an_empty_prefix_cache(tmp_path):
