@@ -169,6 +169,21 @@ def _find_request(query_start_loc_ptr, num_reqs, qblock, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _kv_offsets(offsets, keys, key_valid, block_row, stride_block, stride_k, stride_v,
+                BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, FROM_STEP: tl.constexpr):
+    """Where a tile's keys and values are, as element offsets from ``k_base`` and ``v_base``: rows
+    ``offsets`` of this step's K/V (``FROM_STEP``), or the slots of cached ``keys`` in their pages."""
+    if FROM_STEP:
+        return offsets.to(tl.int64) * stride_k, offsets.to(tl.int64) * stride_v
+    if MASKED:
+        page = tl.load(block_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
+    k_offset = page * stride_block + (keys % BLOCK_SIZE) * stride_k
+    return k_offset, k_offset
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
     scale_log2, stride_block, stride_k, stride_v,
@@ -192,10 +207,11 @@ def _attend_tile(
     keys = first_key + offsets
     dims = tl.arange(0, HEAD_PAD)
     dim_valid = _dim_mask(HEAD_SIZE, HEAD_PAD)  # padding lanes load 0, so they add 0 to both dots
+    # Never touch a key outside [key_start, key_end): its table entry may be a null block and slots
+    # past seq_len hold stale data; masked loads return 0, so no NaN reaches P @ V. Tiles every row
+    # sees in full need no key mask (the compiler drops key_valid there).
+    key_valid = (keys >= key_start) & (keys < key_end)
     if MASKED:
-        # Never touch a key outside [key_start, key_end): its table entry may be a null block and
-        # slots past seq_len hold stale data; masked loads return 0, so no NaN reaches P @ V.
-        key_valid = (keys >= key_start) & (keys < key_end)
         k_mask = key_valid[None, :] & dim_valid[:, None]
         v_mask = key_valid[:, None] & dim_valid[None, :]
     else:
@@ -204,16 +220,8 @@ def _attend_tile(
         k = k_base.load([tile * TILE_N, 0]).T.to(q.dtype)
         v = v_base.load([tile * TILE_N, 0]).to(q.dtype)
     else:
-        if FROM_STEP:
-            k_offset = offsets.to(tl.int64) * stride_k
-            v_offset = offsets.to(tl.int64) * stride_v
-        else:
-            if MASKED:
-                page = tl.load(block_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-            else:
-                page = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
-            k_offset = page * stride_block + (keys % BLOCK_SIZE) * stride_k
-            v_offset = k_offset
+        k_offset, v_offset = _kv_offsets(offsets, keys, key_valid, block_row, stride_block, stride_k, stride_v,
+                                         BLOCK_SIZE, MASKED, FROM_STEP)
         # An fp8 cache widens to the query's type here (fp16 for a bf16 model), so both products run as without it.
         k = tl.load(k_base + k_offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
         v = tl.load(v_base + v_offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
