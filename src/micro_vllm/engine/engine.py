@@ -86,7 +86,9 @@ class Engine:
         # as long as the engine: moved out of the collector's generations, it is not scanned again by
         # the full collections that the steps' own objects set off, each of which would stall a step
         # for as long as the whole heap takes to scan (vLLM's worker freezes it after warm-up too).
-        # Nothing is lost: an engine that is dropped frees its objects by reference counting.
+        # The freeze is the process's: what is alive now, the caller's objects included, is never
+        # collected if it later ends up in a reference cycle. The engine is in none: dropped, it and its
+        # scheduler, runner and model are freed by reference counting (tests/engine/test_generate.py).
         gc.collect()
         gc.freeze()
 
