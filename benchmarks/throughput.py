@@ -112,15 +112,16 @@ def collector_pauses():
     """Count the garbage collector's collections and their wall time per generation: a full one
     (generation 2) scans every object the collector tracks, stalling whichever step it falls in."""
     pauses = {generation: [0, 0.0] for generation in range(3)}
-    started = [0.0]
+    started = 0.0
 
     def callback(phase, info):
+        nonlocal started
         if phase == "start":
-            started[0] = time.perf_counter()
+            started = time.perf_counter()
         else:
             pause = pauses[info["generation"]]
             pause[0] += 1
-            pause[1] += time.perf_counter() - started[0]
+            pause[1] += time.perf_counter() - started
 
     gc.callbacks.append(callback)
     try:
