@@ -513,7 +513,9 @@ def _tma_aligned(rows: torch.Tensor) -> bool:
 
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global memory in which a launch's programs build their tensor descriptors (Triton asks at launch)."""
+    """Global memory in which a launch's programs build their tensor descriptors (Triton asks at launch).
+    PyTorch's caching allocator serves it on the current stream, the launch's, aligned to 512 bytes:
+    more than the descriptors' ``alignment`` asks."""
     return torch.empty(size, dtype=torch.uint8, device="cuda")
 
 
