@@ -557,7 +557,7 @@ def test_mixed_graphs_of_more_tokens_than_a_request_match_eager(model_dirs, refs
 def test_mixed_graphs_on_both_sides_of_the_long_query_tiles_match_eager(model_dirs, refs, monkeypatch):
     """With the long-prefill tiles from 48-token queries on, each mixed graph whose query bound
     reaches 48 is captured twice: a step of short prompts replays the one bounded below 48 (the
-    general tiles), a step with a longer prompt the other (the long tiles, the step's K/V by TMA).
+    general tiles), a step with a longer prompt the other (the long tiles).
     Both give the eager engine's tokens."""
     monkeypatch.setattr(triton_attn, "_LONG_QUERY", 48)
     monkeypatch.setattr(triton_attn.TritonBackend, "long_query_len", 48)
