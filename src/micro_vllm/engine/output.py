@@ -44,6 +44,20 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
 
+    # The first sequence's text, token ids and finish reason under the names the project's first
+    # API gave them (before outputs took vLLM's shape), so programs written for either run.
+    @property
+    def output_text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
     def add(self, next_output: RequestOutput) -> None:
         """Fold the request's next DELTA output into this one, as if the two steps had been one: each
         sequence's new text, tokens and logprobs are appended, its finish taken from the later."""

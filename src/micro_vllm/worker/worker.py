@@ -33,7 +33,12 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
     """'auto' means fp32 on CPU (fast and exact there) and the checkpoint's half type on CUDA (bf16
-    when the checkpoint is fp32)."""
+    when the checkpoint is fp32). float16 on CPU runs in float32, with a warning: on a CPU without
+    native 16-bit matmuls (most of them) a float16 model runs several times slower than in float32,
+    and bfloat16, vLLM's choice for float16 models on CPU, is as slow there."""
+    if dtype == "float16" and device.type == "cpu":
+        logger.warning("float16 is slow on CPU; running the model in float32 instead")
+        return torch.float32
     if dtype != "auto":
         return getattr(torch, dtype)
     if device.type == "cpu":
