@@ -14,7 +14,7 @@ come in the runner's order (``decode_order``, longest context first).
 Qwen3-0.6B's attention: 16 query heads, 8 KV heads of 128, bf16, pages in random order. Each tile
 shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
 CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as the engine runs decodes: timed
-as eager calls, batches of 64 requests or fewer measured the host's launch overhead (2026-11-29).
+as eager calls, batches of 64 requests or fewer measure the host's launch overhead.
 Decode reports K/V read in TB/s, prefill TFLOP/s. ``--kv-cache-dtype fp8`` stores the cache in
 float8 e4m3 (as ``kv_cache_dtype="fp8"`` does), so decode reads half the bytes.
 ``tests/helpers/hopper_compile.py`` reports each shape's registers and spills without a GPU.
@@ -33,27 +33,25 @@ from micro_vllm.attention.backends import triton_attn
 from micro_vllm.attention.backends.abstract import CommonAttentionMetadata, to_cache_dtype
 
 Tiles = triton_attn._Tiles
-# The decode shape in use. Others lost at 256 requests: 16 x 64 and 16 x 32 keys, 8 warps (13 to 20%
-# slower, commit e1cdfbb); five stages, where the compiler keeps two K and two V buffers, lost at
-# every batch size (2 to 59% slower, fd52638). Pages of 32 tokens, and pages holding each KV head's
-# tokens together, were within 0.6% from 32 to 256 requests and 1.5% faster to 8% slower at 8 and 16
-# (fd52638). docs/benchmarks.md.
+# The decode shape in use: narrower key tiles, 8 warps and five stages (where the compiler keeps two K
+# and two V buffers) were slower, other page sizes and layouts no faster (docs/benchmarks.md,
+# "Attention kernel choices").
 DECODE_TILES = [Tiles(16, 128, 4, 3, True)]
 PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 3, False),
                  Tiles(64, 16, 4, 2, False), Tiles(32, 32, 4, 2, False), Tiles(32, 64, 4, 2, False),
                  Tiles(128, 32, 8, 2, False), Tiles(128, 32, 4, 2, False), Tiles(128, 64, 8, 3, False),
                  Tiles(64, 64, 4, 3, False)]
-# Slower on the prefill step of main(): 64 x 64 with 8 warps (94 TFLOP/s against 172 for 64 x 64 with
-# 4) and 128 x 64 with 8 warps and 2 stages (128), commit fd52638.
+# Left out, as slower on the prefill step of main(): 64 x 64 with 8 warps (about half the rate of 64 x 64
+# with 4) and 128 x 64 with 8 warps and 2 stages.
 # Steps of prompts alone, from the recipe's lengths to the long-context workload's, under the prefill
 # tiles, the long-prefill ones and an fp8 cache's: where the long-prefill tiles start to win decides
 # triton_attn._LONG_QUERY.
 LONG_PREFILL_STEPS = ((16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8000), (2, 8000))
-# The last two read the step's own K/V through TMA descriptors (the long tiles' default since 81bc069).
+# The last two read the step's own K/V through TMA descriptors, as the long tiles in use do.
 LONG_PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(128, 64, 8, 3, False),
                       Tiles(128, 64, 8, 2, False), Tiles(128, 128, 8, 2, False), Tiles(128, 32, 8, 2, False),
                       Tiles(128, 64, 8, 3, False, True), Tiles(128, 128, 8, 3, False, True)]
-SPLITS = [None, 1, 2, 4, 8]  # 16 lost at every batch size timed (8 to 128 requests, 2026-11-29)
+SPLITS = [None, 1, 2, 4, 8]  # 16 splits were slower at every batch size from 8 to 128 requests
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
 
@@ -152,7 +150,7 @@ def main() -> None:
         decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order), new_kv)
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache_dtype.itemsize  # K and V
         # Splits only where (request, KV head) pairs alone leave SMs idle: with 128 requests or more
-        # two splits were slower or within 1.1% (e1cdfbb).
+        # two splits were slower or within 1.1%.
         splits = SPLITS if num_reqs <= 64 else (None,)
         name = f"decode {num_reqs}" + (f" of {shortest:,}+" if shortest > 2047 else "")
         rows += sweep(name, decode, DECODE_TILES, kv_bytes, "TB/s", splits)

@@ -1,13 +1,16 @@
-"""The benchmark model of ../shared/benchmarks.md: Qwen3-0.6B's architecture with random bf16 weights.
+"""The benchmark model (docs/benchmarks.md, "Setup"): Qwen3-0.6B's architecture with random bf16 weights.
 
 Throughput does not depend on weight values when every request ignores EOS, so a random model built
 from the config stands in for the real one on a machine without a hub. It gets a word-level
 tokenizer (token i is the word ``t<i>``), so that a server streams text and detokenizing costs what
 it costs with a real tokenizer of the same vocabulary size.
+
+    python benchmarks/bench_model.py DIR     # write the checkpoint that every benchmark loads with --model DIR
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -45,3 +48,9 @@ def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
     words.decoder = decoders.WordPiece(prefix="##")  # no word carries the prefix, so words join with spaces
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(directory)
 
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path, help="where to write the checkpoint and its tokenizer")
+    print(build_random_model(parser.parse_args().directory))

@@ -4,9 +4,9 @@
 
 All requests of a batch arrive at once; TTFT is measured from their arrival to the step that
 produced their first token, TPOT over the rest of their tokens. Figures are medians over the batch.
-The first run of the batch sizes is the one ``../shared/peers``' vLLM side repeats; ``--repeat`` runs
-them again on other prompts (none served from the prefix cache), which shows whether the first
-steps of a process are slower than later ones. Each run also prints the wall time of its first
+The first run of the batch sizes is the one compared with vLLM's (docs/benchmarks.md, "Latency");
+``--repeat`` runs them again on other prompts (none served from the prefix cache), which shows whether
+the first steps of a process are slower than later ones. Each run also prints the wall time of its first
 steps (``Engine.step``; with async scheduling a step returns before its own GPU work is done) and, on
 CUDA, how many device (``cudaMalloc``) and pinned host (``cudaHostAlloc``) allocations the caching
 allocators made during it: either waits for the GPU.

@@ -6,7 +6,7 @@ Every GPU step waits for ``Scheduler.schedule()`` and for the runner to stage it
 tokens to be applied (``get_output`` and ``Scheduler.update_from_output()``), so this CPU time is
 on the critical path. The real Scheduler, KVCacheManager and ModelRunner run on the CPU as the
 Engine drives them (async scheduling: one step in flight), over the throughput recipe's workload
-(docs/benchmarks.md): 256 requests, prompts and outputs of randint(100, 1024) tokens drawn after
+(docs/benchmarks.md, "Host time of a step"): 256 requests, prompts and outputs of randint(100, 1024) tokens drawn after
 ``random.seed(0)``, all added at once, block size 16, 8192 batched tokens and 256 sequences per step,
 and enough blocks for every request at once. The runner holds a tiny random model
 (tests/helpers/tiny_models.py) with the GPU's defaults (the triton attention backend, the Triton

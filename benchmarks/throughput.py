@@ -1,4 +1,4 @@
-"""Offline throughput on the recipe of ../shared/benchmarks.md (nano-vllm's bench), or on another
+"""Offline throughput on the recipe (nano-vllm's bench; docs/benchmarks.md, "The recipe"), or on another
 workload of ``workloads.py`` (``vllm_workloads.py`` runs the same ones on vLLM).
 
     python benchmarks/throughput.py                      # random Qwen3-0.6B-shaped model

@@ -1,16 +1,17 @@
 """vLLM on the workloads of ``workloads.py``, beside ``throughput.py --workload W`` in the same GPU run
 (``peer_workloads.sh`` runs both).
 
-    PYTHONPATH=/root/vx:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/vllm_workloads.py \\
-        --model /root/qwen3r --workload shared-prefix long-context --repeat 2
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/vllm_workloads.py \\
+        --model DIR --workload shared-prefix long-context --repeat 2
 
-vLLM is imported from whatever is on PYTHONPATH (this file holds none of its code); written against
-vLLM 0.24's offline API, with the peers' settings (../shared/peers/vllm_bench.py): bf16, 90% of GPU
-memory, no tokenizer, seed 0, vLLM's defaults otherwise (prefix caching on, as in micro-vLLM). All
-the workloads named run in one engine, so its start-up is paid once; its max_model_len is the
-largest of theirs unless given. After a short warm-up request each workload's whole ``generate`` is
-timed ``--repeat`` times, each from an empty prefix cache, with the sampling of throughput.py
-(temperature 0.6, EOS ignored). Each run prints ``RESULT {json}`` with its output tokens per second.
+vLLM is imported from wherever the environment has it (this file holds none of its code); written
+against vLLM 0.24's offline API, with the settings of the comparisons in docs/benchmarks.md ("Setup"):
+bf16, 90% of GPU memory, no tokenizer, seed 0, vLLM's defaults otherwise (prefix caching on, as in
+micro-vLLM). All the workloads named run in one engine, so its start-up is paid once; its
+max_model_len is the largest of theirs unless given. After a short warm-up request each workload's
+whole ``generate`` is timed ``--repeat`` times, each from an empty prefix cache, with the sampling of
+throughput.py (temperature 0.6, EOS ignored). Each run prints ``RESULT {json}`` with its output
+tokens per second.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Pure Python on purpose: ``throughput.py`` runs them on micro-vLLM and ``vllm_wor
 so the two engines get the very same requests. Every request ignores EOS, so the output tokens are
 exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,000 as in the recipe.
 
-- ``recipe``: nano-vllm's bench (../shared/benchmarks.md): 256 prompts of 100 to 1,024 random tokens,
-  then 100 to 1,024 output tokens each, drawn in that order after seeding with 0.
+- ``recipe``: nano-vllm's bench (docs/benchmarks.md, "The recipe"): 256 prompts of 100 to 1,024
+  random tokens, then 100 to 1,024 output tokens each, drawn in that order after seeding with 0.
 - ``shared-prefix``: 256 requests that open with one 2,000-token system prompt, each followed by its
   own suffix of 100 to 1,024 tokens and asking for 100 to 1,024 output tokens. Drawn after seeding
   with 0: the system prompt, then the suffixes (each length, then its tokens), then the output

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one command a developer sends to the GPU machine: GPU tests, then the benchmarks.
 #   bash scripts/gpu_check.sh [tests] [throughput] [latency] [eager] [unfused] [unfused-sampler] [sweep] [gemm]   (default: all of them)
-# Logs, results.jsonl and a Markdown results table (results.md) go under $OUT when it is set (the device
-# tool's output folder).
+# Logs, results.jsonl and a Markdown results table (results.md) go under $OUT when it is set (else
+# /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -13,8 +13,8 @@ status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-# The device's copy of the tree may carry a stale .git: the sender stamps .gpu_commit (docs/benchmarks.md,
-# "Running it").
+# A copy of the tree sent to the GPU machine may carry a stale .git: the sender stamps .gpu_commit
+# (docs/benchmarks.md, "How to reproduce").
 { cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD; } | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
 
 # run LOG SCRIPT [ARGS...]: a benchmark script that appends to results.jsonl, logged to $OUT/LOG.log
@@ -23,7 +23,7 @@ run() {
   python3 "benchmarks/$script" "$@" --json "$OUT/results.jsonl" 2>&1 | tee "$OUT/$log.log" || status=1
 }
 
-# The GPU tests, within GPU_TEST_SECONDS (default 280: the stage fits a 5-minute device call). Only the
+# The GPU tests, within GPU_TEST_SECONDS (default 280: the stage fits a five-minute run). Only the
 # files that mark GPU tests are collected (others import packages the GPU machine may lack), the
 # engine-level ones first. Most of their time is Triton compiling kernels on the CPU, so with
 # pytest-xdist installed they run in GPU_TEST_WORKERS processes (default 6; 0: one process) sharing

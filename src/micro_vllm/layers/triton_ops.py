@@ -6,8 +6,8 @@ and SiLU-and-mul, one launch each. One file, since every kernel follows the same
 Why: unfused, each of these ops is several tiny elementwise and reduction kernels per decoder layer
 (2 for SiLU-and-mul, up to 16 for rotary embedding), and in a large decode batch those launches take
 a large share of the step's GPU time. What the kernels save is measured on the GPU
-(``benchmarks/throughput.py --custom-ops=none,+sampler`` against the default; the figures are in
-docs/benchmarks.md), not claimed here.
+(``benchmarks/throughput.py --custom-ops=none,+sampler`` against the default; docs/benchmarks.md,
+"The recipe"), not claimed here.
 
 Each kernel is a twin of a CustomOp's ``forward_native`` in ``norm.py``, ``rotary.py``,
 ``qk_norm_rope.py`` and ``activation.py``, not an approximation of it: PyTorch computes every

@@ -19,7 +19,7 @@ they shape:
 Grid of the attention kernel: ``(num_kv_heads, query blocks, num_splits)``. The KV heads vary fastest,
 so the programs of one query block start together: they read the same pages, where a token's K/V of
 all heads lie side by side, while those pages are still in L2 (``benchmarks/attention_sweep.py``
-measures the grid orders; the figures are in docs/benchmarks.md).
+measures the grid orders; docs/benchmarks.md, "Attention kernel choices").
 A program owns ``BLOCK_Q`` consecutive query tokens of one request and all ``GROUP`` query heads that
 share one KV head (``BLOCK_M = BLOCK_Q * GROUP`` rows of the score tile), so each K/V tile is loaded
 once per group. It walks the request's context in tiles of ``TILE_N`` keys, reading pages through the
@@ -83,7 +83,7 @@ from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
 # Flash-decoding mode: at most this many splits per (request, KV head), each of at least this many
 # keys (one decode tile of heads up to 128 wide). Splits are taken only while SMs would idle, and the
 # merge costs the same however many splits hold keys, so a short context gains from spreading its
-# tiles over more of them (benchmarks/latency.py at batch 1 and 8; docs/benchmarks.md).
+# tiles over more of them (latency at batch 1 and 8: docs/benchmarks.md, "Attention kernel choices").
 _MAX_SPLITS = 16
 _MIN_SPLIT_KEYS = 128
 # Steps whose longest query has at least this many tokens take the long-prefill tiles (_pick_tiles).
@@ -541,7 +541,7 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of K/V
     # tiles in shared memory, by tests/helpers/hopper_compile.py), rounding the share of each pair up: with
     # 2 * SMs or more (request, KV head) pairs, splitting only adds the merge, and more programs per
-    # SM only queue (the sweep in benchmarks/attention_sweep.py decided the rule; docs/benchmarks.md).
+    # SM only queue (benchmarks/attention_sweep.py; docs/benchmarks.md, "Attention kernel choices").
     per_pair = -(-2 * _num_sms(device) // (num_reqs * num_kv_heads))
     if per_pair < 2:
         return 1
@@ -583,7 +583,7 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
         # once most of a program's tiles are unmasked; on short prompts it does not. Three stages
         # hold one program per SM, which with the longest programs started first beats two programs
         # of two stages each; fp32 tiles keep two, as three come within 3 KB of a block's shared
-        # memory (tests/helpers/hopper_compile.py; benchmarks/attention_sweep.py; docs/benchmarks.md).
+        # memory (tests/helpers/hopper_compile.py; docs/benchmarks.md, "Attention kernel choices").
         # The step's own rows come by TMA when they can: the copies take no registers for
         # addresses, which is what lets 128 keys a step fit without spilling (with loads through
         # pointers they spill). Only these tiles use it: with two stages ptxas crashes on the
@@ -594,7 +594,7 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
             return _Tiles(max(128, rows), 128 if step_kv_aligned else 64, 8, 3, one_qblock_per_req=False,
                           step_kv_tma=step_kv_aligned)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
-    # keeps more stages in flight (benchmarks/attention_sweep.py chose it; docs/benchmarks.md).
+    # keeps more stages in flight (docs/benchmarks.md, "Attention kernel choices").
     return _Tiles(rows, 32, 4, 2, one_qblock_per_req=False)
 
 
