@@ -94,8 +94,8 @@ def test_stop_conditions():
 
 
 def test_stop_tokens_end_requests_that_decode_together():
-    """A step in which every request decodes is planned and applied with arrays; it stops the same
-    requests as the per-request path (a stop id past int64 is never sampled)."""
+    """In a step in which every request decodes, each stops at its own stop token or EOS and the
+    others go on (a stop id past int64, never sampled, is no trouble)."""
     scheduler = make_scheduler()
     stop = make_request(4, max_tokens=10, stop_token_ids=[2**70, 7])
     eos = make_request(4, max_tokens=10)
@@ -105,7 +105,7 @@ def test_stop_tokens_end_requests_that_decode_together():
         scheduler.add_request(r)
     assert scheduler.update_from_output(fake_output(scheduler.schedule(), scheduler, token=3)) == []  # the prompts
     plan = scheduler.schedule()
-    assert not scheduler.table.stale and dict(plan.num_scheduled_tokens) == dict.fromkeys(scheduler.requests, 1)
+    assert dict(plan.num_scheduled_tokens) == dict.fromkeys(scheduler.requests, 1)
     assert scheduler.update_from_output(fake_output(plan, scheduler, token=7)) == [stop]
     assert stop.stop_reason == 7 and stop.output_token_ids == [3, 7]
     assert scheduler.update_from_output(fake_output(scheduler.schedule(), scheduler, token=0)) == [eos]
@@ -374,9 +374,9 @@ def test_async_scheduling_plans_ahead_and_drops_the_token_after_a_stop():
     check_all_free(scheduler)
 
 
-def test_decode_steps_share_their_plan_parts_while_the_same_requests_run():
-    """Steps in which the same running requests all decode share the plan's request ids and
-    scheduled tokens and the stats' decode ids; a finish or an admission changes them at once."""
+def test_decode_steps_list_the_running_requests_and_their_decodes():
+    """Steps in which the same running requests all decode list them all, in the plan and as the
+    stats' decodes; a finish or an admission changes them at once, and earlier plans stay as they were."""
     scheduler = make_scheduler(max_num_batched_tokens=64)
     short, long = make_request(4, max_tokens=3), make_request(4, max_tokens=6)
     for r in (short, long):
@@ -392,9 +392,8 @@ def test_decode_steps_share_their_plan_parts_while_the_same_requests_run():
     (second, second_stats), (third, third_stats) = step(), step()  # both decode; short's third token ends it
     both = {short.request_id: 1, long.request_id: 1}
     assert dict(second.num_scheduled_tokens) == dict(third.num_scheduled_tokens) == both
-    assert third.num_scheduled_tokens is second.num_scheduled_tokens
-    assert third.scheduled_cached_reqs.req_ids is second.scheduled_cached_reqs.req_ids
-    assert third_stats.decode_req_ids is second_stats.decode_req_ids == set(both)
+    assert third.scheduled_cached_reqs.req_ids == second.scheduled_cached_reqs.req_ids == tuple(both)
+    assert third_stats.decode_req_ids == second_stats.decode_req_ids == set(both)
     fourth, fourth_stats = step()
     assert dict(fourth.num_scheduled_tokens) == {long.request_id: 1}
     assert fourth.scheduled_cached_reqs.req_ids == (long.request_id,)
@@ -409,3 +408,4 @@ def test_decode_steps_share_their_plan_parts_while_the_same_requests_run():
     assert dict(sixth.num_scheduled_tokens) == {long.request_id: 1, newcomer.request_id: 1}
     assert sixth_stats.decode_req_ids == {long.request_id, newcomer.request_id}
     assert dict(fourth.num_scheduled_tokens) == {long.request_id: 1}  # an earlier plan is left as it was
+

@@ -14,8 +14,6 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-import numpy as np
-
 from micro_vllm.attention.spec import AttentionSpec
 from micro_vllm.config import SchedulerConfig
 from micro_vllm.core.kv_cache_manager import KVCacheManager, make_kv_cache_groups
@@ -102,33 +100,6 @@ def check_invariants(scheduler: Scheduler) -> None:
     check_block_accounting(scheduler.kv_cache_manager)
     check_cached_blocks(scheduler)
     check_request_states(scheduler)
-    check_running_table(scheduler)
-
-
-def check_running_table(scheduler: Scheduler) -> None:
-    """Unless marked stale, the scheduler's arrays hold the running requests' counters row by row,
-    and never claim a block hashed that is not."""
-    table, kv = scheduler.table, scheduler.kv_cache_manager
-    if table.stale:
-        return
-    running = scheduler.running
-    expected = {
-        "num_computed_tokens": [r.num_computed_tokens for r in running],
-        "num_tokens": [r.num_tokens for r in running],
-        "num_output_placeholders": [r.num_output_placeholders for r in running],
-        "max_num_tokens": [r.max_num_tokens for r in running],
-        "num_prompt_tokens": [r.num_prompt_tokens for r in running],
-        "num_held_tokens": [kv.num_held_tokens(r.request_id) for r in running],
-        "has_grammar": [r.grammar is not None for r in running],
-    }
-    for column, values in expected.items():
-        assert getattr(table, column).tolist() == values, f"the table's {column} disagrees with the requests"
-    for request in running:
-        params = request.sampling_params
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids)
-        assert table.may_stop_at(np.array(sorted(stop_ids), np.int64)).all(), f"{request}'s stop tokens are missed"
-    hashed = [kv.num_hashed_blocks(r.request_id) for r in running]
-    assert all(a <= b for a, b in zip(table.num_hashed_blocks.tolist(), hashed, strict=True))
 
 
 def check_block_accounting(kv: KVCacheManager) -> None:

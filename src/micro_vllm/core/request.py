@@ -100,11 +100,3 @@ class Request:
             f"computed={self.num_computed_tokens})"
         )
 
-
-def append_sampled_tokens(requests: list[Request], sampled_token_ids: list[list[int]]) -> None:
-    """Append to each of ``requests`` the one token its step sampled, which its placeholder stood
-    for: ``append_output_token`` for a whole decode step, without a method call per request."""
-    for request, (token_id,) in zip(requests, sampled_token_ids):
-        request.all_token_ids.append(token_id)
-        request.num_tokens += 1
-        request.num_output_placeholders -= 1

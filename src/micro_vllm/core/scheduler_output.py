@@ -15,6 +15,8 @@ from micro_vllm.sampling.params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from micro_vllm.core.request import Request
+
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV cache group
 
 
@@ -31,6 +33,20 @@ class NewRequestData:
     # What the logits processors need beside the params: min_tokens holds back EOS too.
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: BlockIds) -> NewRequestData:
+        """``request`` as it joins the batch, with every token it has and its computed count."""
+        return cls(
+            req_id=request.request_id,
+            token_ids=tuple(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            eos_token_ids=request.eos_token_ids,
+            bad_words_token_ids=request.bad_words_token_ids,
+        )
 
 
 @dataclass(frozen=True)
@@ -57,12 +73,8 @@ class SchedulerOutput:
     grammar_bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        # A read-only view is taken as it is: the plans of steps in which the same requests decode
-        # share one.
-        if not isinstance(self.num_scheduled_tokens, MappingProxyType):
-            object.__setattr__(self, "num_scheduled_tokens", MappingProxyType(dict(self.num_scheduled_tokens)))
-        object.__setattr__(self, "structured_output_request_ids",
-                           MappingProxyType(dict(self.structured_output_request_ids)))
+        for name in ("num_scheduled_tokens", "structured_output_request_ids"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
     @property
     def is_empty(self) -> bool:
