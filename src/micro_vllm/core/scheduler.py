@@ -314,6 +314,7 @@ class _StepBuilder:
         self.new_reqs: list[NewRequestData] = []
         # The requests the runner holds, as the plan's CachedRequestData lists them.
         self.cached_req_ids: list[str] = []
+        self.cached_new_token_ids: list[tuple[int, ...]] = []
         self.cached_new_block_ids: list[BlockIds | None] = []
         self.cached_num_computed_tokens: list[int] = []
         self.preempted: list[Request] = []
@@ -327,8 +328,10 @@ class _StepBuilder:
         self._add(request, num_tokens)
 
     def add_cached(self, request: Request, num_tokens: int, new_block_ids: BlockIds | None) -> None:
-        """Schedule ``num_tokens`` more of ``request``, which the runner holds, with its new blocks."""
+        """Schedule ``num_tokens`` more of ``request``, which the runner holds, with the tokens it got
+        since a plan last listed it and its new blocks."""
         self.cached_req_ids.append(request.request_id)
+        self.cached_new_token_ids.append(tuple(request.all_token_ids[request.num_sent_tokens :]))
         self.cached_new_block_ids.append(new_block_ids)
         self.cached_num_computed_tokens.append(request.num_computed_tokens)
         self._add(request, num_tokens)
@@ -336,6 +339,7 @@ class _StepBuilder:
     def _add(self, request: Request, num_tokens: int) -> None:
         """``num_tokens`` of ``request`` count as computed from now on, and a step that reaches the
         end of the known tokens samples one more (a placeholder until it returns)."""
+        request.num_sent_tokens = request.num_tokens  # the plan carries every token it has
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.budget -= num_tokens
         self.num_tokens += num_tokens
@@ -349,5 +353,5 @@ class _StepBuilder:
                 self.structured_output_requests.append(request)
 
     def cached_reqs(self) -> CachedRequestData:
-        return CachedRequestData(tuple(self.cached_req_ids), tuple(self.cached_new_block_ids),
-                                 tuple(self.cached_num_computed_tokens))
+        return CachedRequestData(tuple(self.cached_req_ids), tuple(self.cached_new_token_ids),
+                                 tuple(self.cached_new_block_ids), tuple(self.cached_num_computed_tokens))

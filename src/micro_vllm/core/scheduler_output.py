@@ -22,7 +22,8 @@ BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV cache gr
 
 @dataclass(frozen=True)
 class NewRequestData:
-    """A request the runner has not seen, or one resumed after preemption (it starts over)."""
+    """A request the runner has not seen, or one resumed after preemption: it starts over, with
+    every token it has (what later plans' ``new_token_ids`` count from)."""
 
     req_id: str
     token_ids: tuple[int, ...]  # prompt plus any output already generated
@@ -52,9 +53,17 @@ class NewRequestData:
 @dataclass(frozen=True)
 class CachedRequestData:
     """The requests the runner already holds, as parallel lists (vLLM's layout: no object per
-    request): their new blocks and how far each has been computed before the step."""
+    request): their new tokens and blocks, and how far each has been computed before the step.
+
+    ``new_token_ids`` (vLLM's name) holds, for each request, the output token ids that
+    ``update_from_output`` has appended to it since the last plan that listed it, as new or cached;
+    empty when there are none (a prompt chunk, or a step planned before the last one's token is
+    back). With async scheduling a step's input token is often still in flight when it is planned:
+    the runner takes it from its own sampling on the device, and the id comes with a later plan. The
+    tokens a request samples after the last plan that lists it are never carried."""
 
     req_ids: tuple[str, ...]
+    new_token_ids: tuple[tuple[int, ...], ...]
     new_block_ids: tuple[BlockIds | None, ...]  # None: no new block (most decodes)
     num_computed_tokens: tuple[int, ...]
 
