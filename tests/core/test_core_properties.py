@@ -164,45 +164,6 @@ def test_invariants_hold_after_every_step(scenario):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-def test_decode_fast_path_plans_and_applies_as_per_request(scenario):
-    """The array path for steps in which every running request decodes plans the same steps (and
-    reports the same decodes) and leaves the same requests as the per-request path, step by step."""
-    runs = []
-    for fast in (True, False):
-        scheduler = scenario.make_scheduler()
-        if not fast:
-            scheduler._schedule_decodes = lambda step: None
-        plans = []  # with the stats made with each
-        schedule = scheduler.schedule
-        scheduler.schedule = lambda: plans.append((schedule(), scheduler.stats)) or plans[-1][0]
-        requests, aborted, _ = run(scenario, scheduler)
-        # Request ids differ between the runs: name each by its place in the scenario.
-        name = {r.request_id: i for i, r in enumerate(requests)}
-        runs.append(([(plan_by_name(plan, name), sorted(name[i] for i in stats.decode_req_ids), stats.num_decode_tokens)
-                      for plan, stats in plans],
-                     [(r.status, r.all_token_ids, r.num_preemptions) for r in requests],
-                     sorted(name[i] for i in aborted)))
-    (fast_plans, *fast_rest), (slow_plans, *slow_rest) = runs
-    assert len(fast_plans) == len(slow_plans)
-    for step, (fast_plan, slow_plan) in enumerate(zip(fast_plans, slow_plans)):
-        assert fast_plan == slow_plan, f"step {step} is planned differently"
-    assert fast_rest == slow_rest
-
-
-def plan_by_name(plan, name: dict[str, int]) -> tuple:
-    """Everything a plan says, with each request id replaced by ``name[id]``."""
-    cached = plan.scheduled_cached_reqs
-    return (
-        [(name[new.req_id], new.token_ids, new.block_ids, new.num_computed_tokens) for new in plan.scheduled_new_reqs],
-        [name[req_id] for req_id in cached.req_ids], cached.new_block_ids, cached.num_computed_tokens,
-        [(name[req_id], n) for req_id, n in plan.num_scheduled_tokens.items()],
-        sorted(name[req_id] for req_id in plan.finished_req_ids),
-        sorted(name[req_id] for req_id in plan.preempted_req_ids),
-    )
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(aborts=False))
 def test_outputs_do_not_depend_on_caching_or_capacity(scenario):
     """The fake runner samples from the prefix alone, like greedy decoding: prefix hits, preemption,

@@ -353,37 +353,6 @@ def test_full_and_sliding_groups_share_the_pool_and_agree_on_hits():
     assert kv.get_computed_blocks(b) == ([[], []], 0)
 
 
-@pytest.mark.parametrize("with_listener", [True, False])
-def test_decode_blocks_at_once_are_those_allocate_slots_gives_in_turn(with_listener):
-    """Two full-attention groups (the scheduler's decode steps cover one group only): the same
-    blocks, tables, free queue, prefix cache and block events (with a listener) as one
-    ``allocate_slots`` per request, evictions included; with too few free blocks, nothing is taken."""
-    results = []
-    for at_once in (True, False):
-        listener = RecordingListener() if with_listener else None
-        kv = make_kv_manager(num_blocks=19, block_size=4, specs=(FULL, AttentionSpec(num_kv_heads=4, head_size=8)),
-                             block_listener=listener)
-        freed = make_request(list(range(100, 104)), request_id="freed")
-        allocate_prompt(kv, freed)
-        kv.free(freed)
-        requests = [make_request(list(range(10 * i, 10 * i + 4 * (i + 1))), request_id=f"r{i}") for i in range(3)]
-        for request in requests:
-            allocate_prompt(kv, request)
-            request.append_output_token(1)
-        assert kv.num_free_blocks == 6  # two of them cached, at the back: the last two taken are evicted
-        if at_once:
-            short = requests + [requests[0]]
-            assert kv.allocate_decode_blocks(short) is None and kv.num_free_blocks == 6
-            new_block_ids = kv.allocate_decode_blocks(requests)
-        else:
-            new_block_ids = [kv.to_block_ids(kv.allocate_slots(request, 1)) for request in requests]
-        tables = [ids(m.req_to_blocks[r.request_id] for m in kv.managers) for r in requests]
-        results.append((new_block_ids, tables, free_queue_ids(kv), listener and listener.events,
-                         sorted((key, block.block_id) for key, block in kv.block_pool.prefix_cache.items())))
-    assert results[0] == results[1]
-    assert results[0][0] == [((15,), (16,)), ((17,), (18,)), ((1,), (2,))]
-
-
 def test_num_blocks_needed_is_bounded_by_the_window():
     kv = make_kv_manager(block_size=4, specs=(FULL, sliding(8)))
     # 1000 tokens, chunks of at most 16: full attention keeps 250 blocks, the window needs

@@ -94,8 +94,8 @@ def test_stop_conditions():
 
 
 def test_stop_tokens_end_requests_that_decode_together():
-    """A step in which every request decodes is planned and applied with arrays; it stops the same
-    requests as the per-request path (a stop id past int64 is never sampled)."""
+    """In a step in which every request decodes, each stops at its own stop token or EOS and the
+    others go on (a stop id past int64, never sampled, is no trouble)."""
     scheduler = make_scheduler()
     stop = make_request(4, max_tokens=10, stop_token_ids=[2**70, 7])
     eos = make_request(4, max_tokens=10)
@@ -105,7 +105,7 @@ def test_stop_tokens_end_requests_that_decode_together():
         scheduler.add_request(r)
     assert scheduler.update_from_output(fake_output(scheduler.schedule(), scheduler, token=3)) == []  # the prompts
     plan = scheduler.schedule()
-    assert not scheduler.table.stale and dict(plan.num_scheduled_tokens) == dict.fromkeys(scheduler.requests, 1)
+    assert dict(plan.num_scheduled_tokens) == dict.fromkeys(scheduler.requests, 1)
     assert scheduler.update_from_output(fake_output(plan, scheduler, token=7)) == [stop]
     assert stop.stop_reason == 7 and stop.output_token_ids == [3, 7]
     assert scheduler.update_from_output(fake_output(scheduler.schedule(), scheduler, token=0)) == [eos]
@@ -374,9 +374,9 @@ def test_async_scheduling_plans_ahead_and_drops_the_token_after_a_stop():
     check_all_free(scheduler)
 
 
-def test_decode_steps_share_their_plan_parts_while_the_same_requests_run():
-    """Steps in which the same running requests all decode share the plan's request ids and
-    scheduled tokens and the stats' decode ids; a finish or an admission changes them at once."""
+def test_decode_steps_list_the_running_requests_and_their_decodes():
+    """Steps in which the same running requests all decode list them all, in the plan and as the
+    stats' decodes; a finish or an admission changes them at once, and earlier plans stay as they were."""
     scheduler = make_scheduler(max_num_batched_tokens=64)
     short, long = make_request(4, max_tokens=3), make_request(4, max_tokens=6)
     for r in (short, long):
@@ -392,9 +392,8 @@ def test_decode_steps_share_their_plan_parts_while_the_same_requests_run():
     (second, second_stats), (third, third_stats) = step(), step()  # both decode; short's third token ends it
     both = {short.request_id: 1, long.request_id: 1}
     assert dict(second.num_scheduled_tokens) == dict(third.num_scheduled_tokens) == both
-    assert third.num_scheduled_tokens is second.num_scheduled_tokens
-    assert third.scheduled_cached_reqs.req_ids is second.scheduled_cached_reqs.req_ids
-    assert third_stats.decode_req_ids is second_stats.decode_req_ids == set(both)
+    assert third.scheduled_cached_reqs.req_ids == second.scheduled_cached_reqs.req_ids == tuple(both)
+    assert third_stats.decode_req_ids == second_stats.decode_req_ids == set(both)
     fourth, fourth_stats = step()
     assert dict(fourth.num_scheduled_tokens) == {long.request_id: 1}
     assert fourth.scheduled_cached_reqs.req_ids == (long.request_id,)
@@ -409,3 +408,86 @@ def test_decode_steps_share_their_plan_parts_while_the_same_requests_run():
     assert dict(sixth.num_scheduled_tokens) == {long.request_id: 1, newcomer.request_id: 1}
     assert sixth_stats.decode_req_ids == {long.request_id, newcomer.request_id}
     assert dict(fourth.num_scheduled_tokens) == {long.request_id: 1}  # an earlier plan is left as it was
+
+
+def new_token_ids(plan) -> dict[str, tuple[int, ...]]:
+    cached = plan.scheduled_cached_reqs
+    return dict(zip(cached.req_ids, cached.new_token_ids, strict=True))
+
+
+def test_plans_carry_each_applied_token_once_sync():
+    """``new_token_ids``: the token a step sampled comes with the next plan, once; a prompt chunk
+    brings none, and a request joining the batch brings its tokens whole."""
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    long, short = make_request(12, max_tokens=3), make_request(4, max_tokens=3)
+    for r in (long, short):
+        scheduler.add_request(r)
+    plan = scheduler.schedule()  # long's first chunk of 8; no budget left for short
+    assert new_token_ids(plan) == {} and [new.req_id for new in plan.scheduled_new_reqs] == [long.request_id]
+    scheduler.update_from_output(fake_output(plan, scheduler, token=3))  # a chunk samples nothing
+    plan = scheduler.schedule()
+    assert new_token_ids(plan) == {long.request_id: ()}
+    assert [new.token_ids for new in plan.scheduled_new_reqs] == [tuple(range(4))]
+    scheduler.update_from_output(fake_output(plan, scheduler, token=5))
+    plan = scheduler.schedule()
+    assert new_token_ids(plan) == {long.request_id: (5,), short.request_id: (5,)}
+    scheduler.update_from_output(fake_output(plan, scheduler, token=6))
+    assert new_token_ids(scheduler.schedule()) == {long.request_id: (6,), short.request_id: (6,)}
+
+
+def test_plans_carry_each_applied_token_once_async():
+    """Planned before the last step's token is back, a plan carries nothing for it; the next plan
+    that lists the request carries every token applied since, in order, and only once."""
+    from micro_vllm.outputs import ModelRunnerOutput
+
+    scheduler = make_scheduler()
+    request = make_request(4, max_tokens=6)
+    scheduler.add_request(request)
+    rid = request.request_id
+
+    def returns(token):
+        scheduler.update_from_output(ModelRunnerOutput([rid], [[token]]))
+
+    assert [new.req_id for new in scheduler.schedule().scheduled_new_reqs] == [rid]
+    assert new_token_ids(scheduler.schedule()) == {rid: ()}  # the first token is still in flight
+    returns(7)
+    assert new_token_ids(scheduler.schedule()) == {rid: (7,)}
+    returns(8)
+    returns(9)  # two steps' tokens applied before the next plan
+    assert new_token_ids(scheduler.schedule()) == {rid: (8, 9)}
+    assert new_token_ids(scheduler.schedule()) == {rid: ()}
+    assert request.output_token_ids == [7, 8, 9]
+
+
+def test_resumed_request_brings_every_token_and_later_plans_only_new_ones():
+    """Preempted while its token is in flight (async), a request gets that token while it waits; it
+    resumes as a new request with all its tokens, and later plans carry only what comes after."""
+    from helpers.core_helpers import FakeRunner
+
+    # 4 usable blocks of 4 tokens: two 6-token prompts fit, but not once both pass 8 tokens.
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, max_model_len=16)
+    first, second = make_request(list(range(6)), max_tokens=10), make_request(list(range(10, 16)), max_tokens=10)
+    for r in (first, second):
+        scheduler.add_request(r)
+    runner = FakeRunner(scheduler)  # it checks every plan's tokens against the scheduler's
+    in_flight, plans = [], []
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        plans.append(plan)
+        in_flight.append(runner.execute(plan))
+        if second.request_id in plan.preempted_req_ids:
+            assert second.num_output_placeholders == 1  # its last step's token is in flight
+            num_tokens = second.num_tokens
+        while len(in_flight) > 1 or (in_flight and not scheduler.has_unfinished_requests()):
+            scheduler.update_from_output(in_flight.pop(0))
+            check_invariants(scheduler)
+    [resumed_at] = [i for i, p in enumerate(plans) if second.request_id in {n.req_id for n in p.scheduled_new_reqs}][1:]
+    [resumed] = [n for n in plans[resumed_at].scheduled_new_reqs if n.req_id == second.request_id]
+    assert len(resumed.token_ids) == num_tokens + 1  # with the token that came back while it waited
+    assert list(resumed.token_ids) == second.all_token_ids[: len(resumed.token_ids)]
+    # Each later plan carries the token applied since the one before; the first comes before the
+    # resumed step's token, and the last, planned while the request's last token is in flight, no
+    # longer lists it: the last two tokens, which the runner sampled itself, are never carried.
+    later = [new_token_ids(p).get(second.request_id) for p in plans[resumed_at + 1 :]]
+    assert later == [()] + [(t,) for t in second.all_token_ids[len(resumed.token_ids) : -2]] + [None]
+    assert first.num_output_tokens == second.num_output_tokens == 10

@@ -121,24 +121,8 @@ class BlockPool:
         return self.free_queue.num_free_blocks
 
     def get_new_blocks(self, num_blocks: int, request_id: str | None = None) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the front of the free queue: a cached one forgets its hash."""
         blocks = self.free_queue.popleft_n(num_blocks)
-        self._claim(blocks, request_id)
-        return blocks
-
-    def get_one_block_each(self, request_ids: list[str], num_groups: int) -> list[KVCacheBlock]:
-        """A new block in each of ``num_groups`` groups for each of ``request_ids``: what
-        ``get_new_blocks(1, request_id)`` for each request and then each group gives, taken from the
-        queue at once."""
-        blocks = self.free_queue.popleft_n(len(request_ids) * num_groups)
-        if self.listener is None:  # the events, a pair per block, are all that one claim would change
-            self._claim(blocks, None)
-        else:
-            for i, block in enumerate(blocks):
-                self._claim([block], request_ids[i // num_groups])
-        return blocks
-
-    def _claim(self, blocks: list[KVCacheBlock], request_id: str | None) -> None:
-        """Hand out ``blocks``, just taken from the free queue: a cached one forgets its hash."""
         evicted = [b.block_id for b in blocks if b.block_hash is not None and self.prefix_cache.evict(b)]
         for block in blocks:
             block.block_hash = None
@@ -146,6 +130,7 @@ class BlockPool:
         if self.listener is not None:  # the ids are listed for it alone
             self._notify("evicted", evicted, request_id)
             self._notify("allocated", [b.block_id for b in blocks], request_id)
+        return blocks
 
     def touch(self, blocks: list[KVCacheBlock], request_id: str | None = None) -> None:
         """Take a reference on cached blocks a new request reuses, pulling free ones out of the queue."""

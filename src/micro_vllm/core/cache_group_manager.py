@@ -53,21 +53,18 @@ class SingleTypeKVCacheManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request_ids: list[str], block_hashes: list[list[BlockHash]],
-                     num_full: list[int]) -> list[tuple[KVCacheBlock, tuple[BlockHash, int]]]:
-        """Hash the first ``num_full[i]`` blocks of request ``request_ids[i]``, full and never written
-        again, with its ``block_hashes[i]`` (which cover them). Returns the blocks hashed now, each
-        with its key."""
+    def cache_blocks(self, request_id: str, block_hashes: list[BlockHash],
+                     num_full: int) -> list[tuple[KVCacheBlock, tuple[BlockHash, int]]]:
+        """Hash the request's first ``num_full`` blocks, full and never written again, with its
+        ``block_hashes`` (which cover them). Returns the blocks hashed now, each with its key."""
         hashed = []
-        cache_full_block, num_cached_blocks = self.block_pool.cache_full_block, self.num_cached_blocks
-        for request_id, hashes, num_blocks in zip(request_ids, block_hashes, num_full):
-            blocks = self.req_to_blocks[request_id]
-            for i in range(num_cached_blocks.get(request_id, 0), num_blocks):
-                block = blocks[i]
-                if block.block_hash is None and not block.is_null:
-                    cache_full_block(block, hashes[i], self.group_id, request_id)
-                    hashed.append((block, block.block_hash))
-            num_cached_blocks[request_id] = num_blocks
+        blocks = self.req_to_blocks[request_id]
+        for i in range(self.num_cached_blocks.get(request_id, 0), num_full):
+            block = blocks[i]
+            if block.block_hash is None and not block.is_null:
+                self.block_pool.cache_full_block(block, block_hashes[i], self.group_id, request_id)
+                hashed.append((block, block.block_hash))
+        self.num_cached_blocks[request_id] = num_full
         return hashed
 
     def free(self, request_id: str) -> None:

@@ -61,8 +61,9 @@ class KVCacheManager:
         self.managers = [make_manager(g.spec, self.block_pool, block_size, i) for i, g in enumerate(groups)]
         self._no_hit: BlocksPerGroup = [[] for _ in groups]  # read only
         self._no_new_blocks: BlocksPerGroup = [[] for _ in groups]  # read only
-        # Without a sliding window no block is ever released before the request ends.
-        self.full_attention_only = all(g.spec.sliding_window is None for g in groups)
+        # Without a sliding window no block is released before the request ends, so a step whose
+        # tokens fit the blocks held (most decodes) needs nothing from the groups.
+        self._full_attention_only = all(g.spec.sliding_window is None for g in groups)
         # Every group's table covers the same tokens and every group has hashed the same leading
         # blocks, so the first group's answers whether a step needs any block or any hash (most
         # decode steps need neither).
@@ -138,8 +139,8 @@ class KVCacheManager:
         when the pool cannot hold them; nothing changes then but the sliding windows' cleanup."""
         request_id = request.request_id
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if (new_computed_blocks is None and self.full_attention_only
-                and num_tokens <= self.num_held_tokens(request_id)):
+        if (new_computed_blocks is None and self._full_attention_only
+                and num_tokens <= len(self._first_blocks.get(request_id, ())) * self.block_size):
             # No group needs a block (cache_blocks hashes one only when the step fills it).
             self.cache_blocks(request, num_tokens)
             return self._no_new_blocks
@@ -159,58 +160,18 @@ class KVCacheManager:
         self.cache_blocks(request, num_tokens)
         return new_blocks
 
-    def allocate_decode_blocks(self, requests: list[Request]) -> list[BlockIds] | None:
-        """One more block in every group for each of ``requests``: decodes of one token whose blocks
-        are full and whose step completes no block to hash, with full attention only. The blocks
-        are those that ``allocate_slots(request, 1)`` for each in turn would give, taken at once;
-        returns their ids as the plan carries them, or None, having taken nothing, when the pool
-        cannot hold them all."""
-        num_groups = len(self.managers)
-        if len(requests) * num_groups > self.block_pool.get_num_free_blocks():
-            return None
-        request_ids = [r.request_id for r in requests]
-        blocks = self.block_pool.get_one_block_each(request_ids, num_groups)
-        ids_per_group = []
-        for group, manager in enumerate(self.managers):
-            tables = manager.req_to_blocks
-            group_blocks = blocks[group::num_groups]
-            for request_id, block in zip(request_ids, group_blocks):
-                tables[request_id].append(block)
-            ids_per_group.append([(b.block_id,) for b in group_blocks])
-        return list(zip(*ids_per_group))
-
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Make the full blocks among the first ``num_computed_tokens`` tokens reusable. Their K/V
-        are computed by the step planned last, which confirms them. A block whose last token is
-        still in flight is hashed once its id is known."""
+        """Make the full blocks among the first ``num_computed_tokens`` tokens reusable, in every
+        group. Their K/V are computed by the step planned last, which confirms them. A block whose
+        last token is still in flight is hashed once that token is known (``update_from_output``)."""
         if not self.enable_caching:
             return
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
-        if num_full > self.num_hashed_blocks(request.request_id):
-            self.cache_full_blocks([request], [num_full])
-
-    def cache_computed_blocks(self, requests: list[Request]) -> None:
-        """``cache_blocks(request, request.num_tokens)`` for each of ``requests``, whose known tokens
-        are all computed (a step's new tokens that a later step has computed already), at once."""
-        if not self.enable_caching:
-            return
-        block_size, num_hashed = self.block_size, self._first_num_cached_blocks
-        completing, num_full = [], []
-        for request in requests:
-            num_blocks = request.num_tokens // block_size
-            if num_blocks > num_hashed.get(request.request_id, 0):
-                completing.append(request)
-                num_full.append(num_blocks)
-        if completing:
-            self.cache_full_blocks(completing, num_full)
-
-    def cache_full_blocks(self, requests: list[Request], num_full: list[int]) -> None:
-        """Hash the first ``num_full[i]`` blocks of ``requests[i]`` in every group, the requests in one
-        call per group: full blocks of known tokens, none fewer than the request has hashed already."""
-        block_hashes = [update_block_hashes(request, self.block_size) for request in requests]
-        request_ids = [request.request_id for request in requests]
+        if num_full <= self._first_num_cached_blocks.get(request.request_id, 0):
+            return  # most steps complete no block
+        block_hashes = update_block_hashes(request, self.block_size)
         for manager in self.managers:
-            hashed = manager.cache_blocks(request_ids, block_hashes, num_full)
+            hashed = manager.cache_blocks(request.request_id, block_hashes, num_full)
             if hashed and self.unconfirmed:
                 self.unconfirmed[-1] += hashed
 
@@ -248,14 +209,6 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         for manager in self.managers:
             manager.free(request.request_id)
-
-    def num_held_tokens(self, request_id: str) -> int:
-        """The tokens the request's blocks can hold (every group's table covers the same tokens)."""
-        return len(self._first_blocks.get(request_id, ())) * self.block_size
-
-    def num_hashed_blocks(self, request_id: str) -> int:
-        """The request's leading blocks already hashed (all groups hash the same ones)."""
-        return self._first_num_cached_blocks.get(request_id, 0)
 
     def get_block_ids(self, request_id: str) -> BlockIds:
         return tuple(tuple(b.block_id for b in m.req_to_blocks.get(request_id, ())) for m in self.managers)

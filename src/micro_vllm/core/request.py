@@ -61,6 +61,8 @@ class Request:
         self.num_tokens = len(self.all_token_ids)  # prompt plus output so far
         self.num_computed_tokens = 0  # advanced when a step is scheduled, not when it returns
         self.num_output_placeholders = 0  # sampled in a step still in flight
+        # The leading tokens whose ids a plan has carried to the runner (``CachedRequestData.new_token_ids``).
+        self.num_sent_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.max_chunk_tokens = 0  # the most tokens one step may compute: set on admission (check_fits)
@@ -100,11 +102,3 @@ class Request:
             f"computed={self.num_computed_tokens})"
         )
 
-
-def append_sampled_tokens(requests: list[Request], sampled_token_ids: list[list[int]]) -> None:
-    """Append to each of ``requests`` the one token its step sampled, which its placeholder stood
-    for: ``append_output_token`` for a whole decode step, without a method call per request."""
-    for request, (token_id,) in zip(requests, sampled_token_ids):
-        request.all_token_ids.append(token_id)
-        request.num_tokens += 1
-        request.num_output_placeholders -= 1

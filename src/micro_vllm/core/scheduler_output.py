@@ -15,12 +15,15 @@ from micro_vllm.sampling.params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from micro_vllm.core.request import Request
+
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV cache group
 
 
 @dataclass(frozen=True)
 class NewRequestData:
-    """A request the runner has not seen, or one resumed after preemption (it starts over)."""
+    """A request the runner has not seen, or one resumed after preemption: it starts over, with
+    every token it has (what later plans' ``new_token_ids`` count from)."""
 
     req_id: str
     token_ids: tuple[int, ...]  # prompt plus any output already generated
@@ -32,13 +35,35 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
+    @classmethod
+    def from_request(cls, request: Request, block_ids: BlockIds) -> NewRequestData:
+        """``request`` as it joins the batch, with every token it has and its computed count."""
+        return cls(
+            req_id=request.request_id,
+            token_ids=tuple(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            eos_token_ids=request.eos_token_ids,
+            bad_words_token_ids=request.bad_words_token_ids,
+        )
+
 
 @dataclass(frozen=True)
 class CachedRequestData:
     """The requests the runner already holds, as parallel lists (vLLM's layout: no object per
-    request): their new blocks and how far each has been computed before the step."""
+    request): their new tokens and blocks, and how far each has been computed before the step.
+
+    ``new_token_ids`` (vLLM's name) holds, for each request, the output token ids that
+    ``update_from_output`` has appended to it since the last plan that listed it, as new or cached;
+    empty when there are none (a prompt chunk, or a step planned before the last one's token is
+    back). With async scheduling a step's input token is often still in flight when it is planned:
+    the runner takes it from its own sampling on the device, and the id comes with a later plan. The
+    tokens a request samples after the last plan that lists it are never carried."""
 
     req_ids: tuple[str, ...]
+    new_token_ids: tuple[tuple[int, ...], ...]
     new_block_ids: tuple[BlockIds | None, ...]  # None: no new block (most decodes)
     num_computed_tokens: tuple[int, ...]
 
@@ -57,12 +82,8 @@ class SchedulerOutput:
     grammar_bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        # A read-only view is taken as it is: the plans of steps in which the same requests decode
-        # share one.
-        if not isinstance(self.num_scheduled_tokens, MappingProxyType):
-            object.__setattr__(self, "num_scheduled_tokens", MappingProxyType(dict(self.num_scheduled_tokens)))
-        object.__setattr__(self, "structured_output_request_ids",
-                           MappingProxyType(dict(self.structured_output_request_ids)))
+        for name in ("num_scheduled_tokens", "structured_output_request_ids"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
     @property
     def is_empty(self) -> bool:
