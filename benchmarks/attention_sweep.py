@@ -23,7 +23,6 @@ float8 e4m3 (as ``kv_cache_dtype="fp8"`` does), so decode reads half the bytes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 
@@ -31,6 +30,7 @@ import torch
 
 from micro_vllm.attention.backends import triton_attn
 from micro_vllm.attention.backends.abstract import CommonAttentionMetadata, to_cache_dtype
+from micro_vllm.attention.spec import AttentionSpec
 
 Tiles = triton_attn._Tiles
 # The decode shape in use: narrower key tiles, 8 warps and five stages (where the compiler keeps two K
@@ -57,9 +57,9 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
 def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype=torch.bfloat16, seed: int = 0,
               cache_dtype: torch.dtype | None = None):
-    """A step's query, paged K/V cache, metadata and new K/V rows: request i has ``context_lens[i]``
-    cached tokens and ``query_lens[i]`` new ones, its pages scattered over the cache, which holds
-    ``cache_dtype`` (default: ``dtype``)."""
+    """A step's query, paged K/V cache, common metadata and new K/V rows: request i has
+    ``context_lens[i]`` cached tokens and ``query_lens[i]`` new ones, its pages scattered over the
+    cache, which holds ``cache_dtype`` (default: ``dtype``)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     pages_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens]
@@ -77,34 +77,47 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
     new_kv = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)  # the step's own K/V
     query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    metadata = triton_attn.TritonAttentionMetadata(CommonAttentionMetadata(
+    common = CommonAttentionMetadata(
         num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         query_start_loc=query_start_loc.to(device), seq_lens=seq_lens_t.to(device), block_table=table.to(device),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens_t,
-    ))
-    return query.to(device), kv_cache.to(device), metadata, new_kv.to(device)
+    )
+    return query.to(device), kv_cache.to(device), common, new_kv.to(device)
 
 
-def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Tensor:
-    """The backend's attention with ``tiles`` and ``num_splits`` forced (None: the backend's choice),
-    as layers run it: a decode step takes its new keys in the attention launch (no slot is written:
-    the sweep's slots are all padding); other steps attend with their rows at hand (the backend
-    chooses whether it reads their keys from them), timed without the write launch that precedes them."""
-    query, kv_cache, metadata, new_kv = step
+def plan(step, tiles: Tiles | None, num_splits: int | None = None) -> triton_attn.TritonAttentionMetadata:
+    """The step's metadata from the backend's builder (decode steps ordered longest context first,
+    as the runner's are), with ``tiles`` and ``num_splits`` forced (None: the builder's choice)."""
+    query, kv_cache, common, _ = step
     pick, splits = triton_attn._pick_tiles, triton_attn._num_splits
     if tiles is not None:
         triton_attn._pick_tiles = lambda *args: tiles
     if num_splits is not None:
         triton_attn._num_splits = lambda *args: num_splits
     try:
-        backend = triton_attn.TritonBackend()
-        if metadata.common.max_query_len == 1:
-            return backend.write_and_attend(query, *new_kv, kv_cache, metadata, scale=HEAD_SIZE**-0.5,
-                                            sliding_window=None)
-        return backend._attend(query, kv_cache, metadata, HEAD_SIZE**-0.5, None, step_kv=tuple(new_kv))
+        builder = triton_attn.TritonAttentionMetadataBuilder(AttentionSpec(NUM_KV_HEADS, HEAD_SIZE), NUM_HEADS,
+                                                             BLOCK_SIZE, common.num_reqs, query.device, kv_cache.dtype)
+        return builder.build(common)
     finally:
         triton_attn._pick_tiles, triton_attn._num_splits = pick, splits
+
+
+def launch(step, metadata: triton_attn.TritonAttentionMetadata) -> torch.Tensor:
+    """The backend's attention as layers run it: a decode step takes its new keys in the attention
+    launch (no slot is written: the sweep's slots are all padding); other steps attend with their
+    rows at hand (the builder chose whether their keys are read from them), timed without the write
+    launch that precedes them."""
+    query, kv_cache, _, new_kv = step
+    backend = triton_attn.TritonBackend()
+    if metadata.write_kv_in_launch:
+        return backend.write_and_attend(query, *new_kv, kv_cache, metadata, scale=HEAD_SIZE**-0.5, sliding_window=None)
+    return backend._attend(query, *new_kv, kv_cache, metadata, HEAD_SIZE**-0.5, None)
+
+
+def attend(step, tiles: Tiles | None, num_splits: int | None = None) -> torch.Tensor:
+    """``launch`` of the step as ``plan`` builds it with these forced settings."""
+    return launch(step, plan(step, tiles, num_splits))
 
 
 def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split_list=(None,)) -> list[dict]:
@@ -116,8 +129,9 @@ def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split
     rows = []
     for tiles in tile_list:
         for num_splits in split_list:
-            error = (attend(step, tiles, num_splits).float() - expected).abs().max().item()
-            ms = do_bench_cudagraph(lambda: attend(step, tiles, num_splits), rep=200, return_mode="median")
+            metadata = plan(step, tiles, num_splits)  # built once, as the runner builds a step's
+            error = (launch(step, metadata).float() - expected).abs().max().item()
+            ms = do_bench_cudagraph(lambda: launch(step, metadata), rep=200, return_mode="median")
             rate = work / (ms * 1e-3) / 1e12
             rows.append({"batch": name, "tiles": tiles._asdict(), "splits": num_splits, "ms": ms, unit: rate,
                          "max_abs_diff": error})
@@ -145,9 +159,7 @@ def main() -> None:
                       (8, 800, 2047), (32, 8000, 8511))
     for num_reqs, shortest, longest in decode_batches if args.part != "prefill" else ():
         contexts = [rng.randint(shortest, longest) for _ in range(num_reqs)]
-        query, kv_cache, metadata, new_kv = make_step([1] * num_reqs, contexts, "cuda", cache_dtype=cache_dtype)
-        order = torch.argsort(-metadata.common.seq_lens.long(), stable=True).to(torch.int32)  # as the runner orders
-        decode = (query, kv_cache, dataclasses.replace(metadata, decode_order=order), new_kv)
+        decode = make_step([1] * num_reqs, contexts, "cuda", cache_dtype=cache_dtype)
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache_dtype.itemsize  # K and V
         # Splits only where (request, KV head) pairs alone leave SMs idle: with 128 requests or more
         # two splits were slower or within 1.1%.

@@ -14,7 +14,6 @@ import torch
 
 from micro_vllm.attention.backends import sdpa
 from micro_vllm.attention.backends.registry import get_backend_cls
-from micro_vllm.attention.spec import AttentionSpec
 from helpers.attention import make_batch, random_requests
 
 # (num_heads, num_kv_heads, head_size, block_size, sliding_window)
@@ -28,11 +27,7 @@ SHAPES = [
 
 def sdpa_metadata(batch, window) -> sdpa.SdpaMetadata:
     """The step's metadata as the builder of a KV cache group with ``window`` builds it."""
-    num_heads = batch.query.shape[1]
-    _, _, block_size, num_kv_heads, head_size = batch.kv_cache.shape
-    builder = sdpa.SdpaMetadataBuilder(AttentionSpec(num_kv_heads, head_size, window), num_heads, block_size,
-                                       batch.metadata.common.num_reqs, batch.query.device, batch.kv_cache.dtype)
-    return builder.build(batch.metadata.common)
+    return batch.built_by(sdpa.SdpaMetadataBuilder, window)
 
 
 def check_sdpa_against_reference(batch, window) -> None:

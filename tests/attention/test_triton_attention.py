@@ -10,6 +10,7 @@ shapes stay tiny; the GPU class uses real sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -36,6 +37,11 @@ TOLERANCE = {
 }
 
 
+def triton_metadata(batch: Batch, sliding_window: int | None = None) -> triton_attn.TritonAttentionMetadata:
+    """The step's metadata as the triton builder of a KV cache group with ``sliding_window`` builds it."""
+    return batch.built_by(triton_attn.TritonAttentionMetadataBuilder, sliding_window)
+
+
 def check_against_reference(batch: Batch, sliding_window: int | None) -> None:
     head_size = batch.query.shape[-1]
     scale = head_size**-0.5
@@ -43,7 +49,7 @@ def check_against_reference(batch: Batch, sliding_window: int | None) -> None:
         batch.query, batch.clean_cache, batch.metadata, scale=scale, sliding_window=sliding_window
     )
     out = get_backend_cls("triton")().forward(
-        batch.query, batch.kv_cache, batch.metadata, scale=scale, sliding_window=sliding_window
+        batch.query, batch.kv_cache, triton_metadata(batch, sliding_window), scale=scale, sliding_window=sliding_window
     )
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     n = batch.metadata.common.num_actual_tokens
@@ -75,21 +81,16 @@ SMALL_SHAPES = [
 
 
 def use_small_tiles(monkeypatch) -> None:
-    """16-key tiles, so that tiny CPU contexts still span many tiles (masked edges, unmasked middle)."""
+    """16-key tiles in the steps built from now on, so that tiny CPU contexts still span many tiles
+    (masked edges, unmasked middle)."""
     pick = triton_attn._pick_tiles
     monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: pick(*args)._replace(tile_n=16))
 
 
-def record_tile_picks(monkeypatch) -> list:
-    """The tiles the backend picks from now on, one per launch, in order."""
-    pick, picked = triton_attn._pick_tiles, []
-    monkeypatch.setattr(triton_attn, "_pick_tiles", lambda *args: picked.append(pick(*args)) or picked[-1])
-    return picked
-
-
 def split_decode_steps(monkeypatch, num_splits: int) -> None:
-    """Decode steps split in ``num_splits``; steps with prefill chunks keep one split, as the
-    backend's own rule has them (their programs read the step's keys after the cached ones)."""
+    """Decode steps built from now on split in ``num_splits``; steps with prefill chunks keep one
+    split, as the backend's own rule has them (their programs read the step's keys after the cached
+    ones)."""
     monkeypatch.setattr(triton_attn, "_num_splits", lambda device, num_reqs, num_kv_heads, max_query_len:
                         num_splits if max_query_len == 1 else 1)
 
@@ -107,7 +108,6 @@ def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, t
         use_small_tiles(monkeypatch)
     if tiles == "long":  # the long-prefill tiles, on prompts the interpreter can run
         monkeypatch.setattr(triton_attn, "_LONG_QUERY", 2)
-        picked = record_tile_picks(monkeypatch)
     requests = random_requests(rng, num_decodes=3, num_chunks=2, max_context=2 * block_size + 5, max_chunk=19)
     if tiles == "long":  # a chunk taller than the decode tiles, so that the step takes the long ones
         requests.append((17, rng.randint(0, 2 * block_size + 5)))
@@ -125,24 +125,48 @@ def test_mixed_batch_matches_reference(rng: random.Random, monkeypatch, shape, t
     check_against_reference(batch, window)
     check_write_and_attend(batch, window)  # the step's own keys from its rows, not through the pages
     if tiles == "long":  # 16-bit rows of 16-byte multiples come by TMA, the others through pointers
-        assert picked[-1].step_kv_tma == (dtype != torch.float32)
+        metadata = triton_metadata(batch, window)
+        assert metadata.tiles.block_m >= 128 and metadata.tiles.step_kv_tma == (dtype != torch.float32)
+
+
+def build_step(query_lens: list[int], *, num_heads: int = 4, head_size: int = 128,
+               kv_cache_dtype: torch.dtype = torch.bfloat16) -> triton_attn.TritonAttentionMetadata:
+    """The metadata the triton builder of a group of layers with ``num_heads`` query heads over 2 KV
+    heads of ``head_size`` builds for a step of prompts of ``query_lens`` tokens (no cache needed)."""
+    builder = triton_attn.TritonAttentionMetadataBuilder(AttentionSpec(2, head_size), num_heads, 16, len(query_lens),
+                                                         torch.device("cpu"), kv_cache_dtype)
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
+    num_tokens = sum(query_lens)
+    return builder.build(CommonAttentionMetadata(
+        num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=max(query_lens),
+        query_start_loc=starts, seq_lens=lens, block_table=torch.zeros(len(query_lens), 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64), query_start_loc_cpu=starts, seq_lens_cpu=lens,
+    ))
 
 
 def test_long_prompts_take_the_long_prefill_tiles() -> None:
-    long = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128)
-    assert (long.block_m, long.tile_n, long.num_warps, long.num_stages) == (128, 64, 8, 3)
-    assert not long.one_qblock_per_req and not long.step_kv_tma
-    # The step's rows by TMA, and twice the keys a step, only where TMA can copy them.
-    by_tma = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128, step_kv_aligned=True)
-    assert by_tma.step_kv_tma and (by_tma.block_m, by_tma.tile_n, by_tma.num_stages) == (128, 128, 3)
-    fp32 = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128, fp32=True, step_kv_aligned=True)
-    assert fp32.num_stages == 2 and not fp32.step_kv_tma  # shared memory; ptxas and two stages
-    assert not triton_attn._pick_tiles(triton_attn._LONG_QUERY - 1, 2, 128, step_kv_aligned=True).step_kv_tma
-    assert triton_attn._pick_tiles(triton_attn._LONG_QUERY - 1, 2, 128).block_m == 64
-    assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 16, 128).block_m == 128  # 8 queries of 16 heads
-    assert triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 256).block_m == 64  # wide heads keep theirs
-    fp8 = triton_attn._pick_tiles(triton_attn._LONG_QUERY, 2, 128, fp8_cache=True)  # whatever the length
-    assert (fp8.block_m, fp8.tile_n) == (64, 64) and triton_attn._pick_tiles(300, 2, 128, True) == fp8
+    """The builder's tiles for a step with a prompt of _LONG_QUERY tokens, by the group's heads and
+    cache: the step's rows by TMA, and twice the keys a step, only where TMA can copy them."""
+    long = [triton_attn._LONG_QUERY, 1]
+    by_tma = build_step(long)
+    assert tuple(by_tma.tiles) == (128, 128, 8, 3, False, True) and by_tma.kv_from_step
+    assert by_tma.num_query_blocks == (triton_attn._LONG_QUERY + 1) // 64 + 2  # 64 query tokens of 2 heads
+    # Heads of 12 bf16 channels are 24 bytes: no TMA, and the 64 keys a step that fit without it.
+    assert tuple(build_step(long, head_size=12).tiles) == (128, 64, 8, 3, False, False)
+    fp32 = build_step(long, kv_cache_dtype=torch.float32)  # shared memory; ptxas and two stages
+    assert tuple(fp32.tiles) == (128, 64, 8, 2, False, False) and fp32.kv_from_step
+    shorter = build_step([triton_attn._LONG_QUERY - 1, 1])
+    assert tuple(shorter.tiles) == (64, 32, 4, 2, False, False) and shorter.kv_from_step
+    assert build_step(long, num_heads=32).tiles.block_m == 128  # 8 queries of 16 heads
+    wide = build_step(long, head_size=256)  # wide heads keep theirs, and read every key through the pages
+    assert wide.tiles.block_m == 64 and not wide.tiles.step_kv_tma and not wide.kv_from_step
+    fp8 = build_step(long, kv_cache_dtype=torch.float8_e4m3fn)  # whatever the length
+    assert (fp8.tiles.block_m, fp8.tiles.tile_n) == (64, 64) and not fp8.kv_from_step
+    assert build_step([300, 1], kv_cache_dtype=torch.float8_e4m3fn).tiles == fp8.tiles
+    decodes = build_step([1, 1, 1])  # one program per request, the new K/V stored by the launch
+    assert tuple(decodes.tiles) == (16, 128, 4, 3, True, False) and decodes.num_query_blocks == 3
+    assert decodes.write_kv_in_launch and not decodes.kv_from_step and decodes.decode_order is not None
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -182,14 +206,15 @@ def test_decode_order_changes_only_the_programs_order(rng: random.Random, monkey
     requests = [(1, context) for context in sorted(rng.sample(range(60), 5))] + [(0, 0)]  # shortest first
     batch = make_batch(rng, requests, num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
                        dtype=torch.float32, num_pad_tokens=2)
-    scale = 16**-0.5
-    in_order = get_backend_cls("triton")().forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
-                                             sliding_window=None)
+    metadata = triton_metadata(batch)
     order = torch.argsort(-batch.metadata.common.seq_lens.long(), stable=True).to(torch.int32)
-    batch.metadata.decode_order = order
+    in_order, ordered = (
+        get_backend_cls("triton")().forward(batch.query, batch.kv_cache,
+                                            dataclasses.replace(metadata, decode_order=decode_order),
+                                            scale=16**-0.5, sliding_window=None)
+        for decode_order in (None, order)
+    )
     check_against_reference(batch, None)
-    ordered = get_backend_cls("triton")().forward(batch.query, batch.kv_cache, batch.metadata, scale=scale,
-                                            sliding_window=None)
     n = batch.metadata.common.num_actual_tokens
     assert torch.equal(ordered[:n], in_order[:n])
 
@@ -281,13 +306,13 @@ def test_long_chunk_spans_many_query_blocks(rng: random.Random) -> None:
 
 def test_step_too_long_for_the_grid_is_refused(rng: random.Random, monkeypatch) -> None:
     # CUDA bounds the grid's second dimension (the query blocks) at 65,535; a step that needs more
-    # gets an error naming its size, not a failed launch. Lowered here, so that a small step hits it.
+    # gets an error naming its size when its metadata is built, before any layer launches. Lowered
+    # here, so that a small step hits it.
     batch = make_batch(rng, [(70, 0), (1, 5)], num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
                        dtype=torch.float32)
     monkeypatch.setattr(triton_attn, "_MAX_GRID_Y", 2)
     with pytest.raises(ValueError, match="a step of 71 tokens needs 4 query blocks; at most 2"):
-        get_backend_cls("triton")().forward(batch.query, batch.kv_cache, batch.metadata, scale=0.25,
-                                            sliding_window=None)
+        triton_metadata(batch)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3])
@@ -361,12 +386,20 @@ def test_fp8_kv_cache_matches_reference(rng: random.Random, monkeypatch, dtype: 
 
 
 def test_head_size_above_256_is_refused(rng: random.Random) -> None:
+    """By the backend, and by its builder when the KV cache is allocated: before any step."""
     backend = get_backend_cls("triton")()
     assert backend.supports_head_size(256) and not backend.supports_head_size(272)
     batch = make_batch(rng, [(3, 0)], num_heads=2, num_kv_heads=1, head_size=272, block_size=16,
                        dtype=torch.float32)
     with pytest.raises(ValueError, match="head_size=272 .*at most 256"):
-        backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=0.25, sliding_window=None)
+        triton_metadata(batch)
+
+
+@pytest.mark.parametrize("name", ["reference", "sdpa", "triton"])
+def test_query_heads_not_a_multiple_of_kv_heads_are_refused(name: str) -> None:
+    builder_cls = get_backend_cls(name).builder_cls
+    with pytest.raises(ValueError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
+        builder_cls(AttentionSpec(4, 16), 6, 16, 8, torch.device("cpu"), torch.float32)
 
 
 class NoWriteLaunch:
@@ -388,11 +421,12 @@ def check_write_and_attend(batch: Batch, window: int | None) -> None:
     expected = get_backend_cls("reference")().write_and_attend(
         batch.query, *new_kv, batch.clean_cache.clone(), batch.metadata, scale=0.25, sliding_window=window
     )
+    metadata = triton_metadata(batch, window)
     with pytest.MonkeyPatch.context() as patch:
         if batch.metadata.common.max_query_len == 1:
             patch.setattr(triton_attn, "_write_kv_kernel", NoWriteLaunch())
         out = get_backend_cls("triton")().write_and_attend(
-            batch.query, *new_kv, cache, batch.metadata, scale=0.25, sliding_window=window
+            batch.query, *new_kv, cache, metadata, scale=0.25, sliding_window=window
         )
     torch.testing.assert_close(cache.float(), expected_cache.float(), atol=0, rtol=0, equal_nan=True)
     n = batch.metadata.common.num_actual_tokens
@@ -485,7 +519,7 @@ class TestOnGpu:
         batch = make_batch(
             rng, requests, num_heads=16, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16
         )
-        assert triton_attn._num_splits(batch.query.device, num_reqs, 8, 1) > 1
+        assert triton_metadata(batch).num_splits > 1
         check_against_reference(batch, None)
 
     @pytest.mark.parametrize("num_reqs", [8, 128], ids=["split-kv", "plain"])
@@ -494,7 +528,7 @@ class TestOnGpu:
         # only on num_reqs and the padded token count, never on seq_lens or max_seq_len.
         kwargs = dict(num_heads=16, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
         batch = make_batch(rng, [(1, 1800)] * num_reqs, num_pad_tokens=4, **kwargs)
-        backend, md, scale = get_backend_cls("triton")(), batch.metadata, 128**-0.5
+        backend, md, scale = get_backend_cls("triton")(), triton_metadata(batch), 128**-0.5
         query = batch.query
         backend.forward(query, batch.kv_cache, md, scale=scale, sliding_window=None)  # compile outside
         torch.cuda.synchronize()
@@ -514,7 +548,7 @@ class TestOnGpu:
             torch.testing.assert_close(graph_out[:n].float(), expected[:n].float(), atol=3e-2, rtol=3e-2)
 
     @pytest.mark.parametrize("window", [None, 1000])
-    def test_long_prompts_read_their_rows_by_tma(self, rng: random.Random, monkeypatch, window) -> None:
+    def test_long_prompts_read_their_rows_by_tma(self, rng: random.Random, window) -> None:
         """The long-prefill tiles at the benchmark's heads: a prompt past _LONG_QUERY, one after
         cached context and decodes beside them. The step's own K/V come through tensor descriptors,
         eagerly and replayed from a CUDA graph (whose capture allocates the descriptors' memory)."""
@@ -523,14 +557,14 @@ class TestOnGpu:
         requests += [(1, rng.randint(1, 3000)) for _ in range(8)]
         batch = make_batch(rng, requests, num_heads=16, num_kv_heads=8, head_size=128, block_size=16,
                            dtype=torch.bfloat16, sliding_window=window, num_pad_tokens=3)
-        picked = record_tile_picks(monkeypatch)
+        metadata = triton_metadata(batch, window)
+        assert metadata.tiles.step_kv_tma
         check_write_and_attend(batch, window)
-        assert picked[-1].step_kv_tma
 
         backend, n = get_backend_cls("triton")(), batch.metadata.common.num_actual_tokens
         key, value = torch.randn(2, batch.query.shape[0], 8, 128, device="cuda", dtype=torch.bfloat16)
         attend = functools.partial(backend.write_and_attend, batch.query, key, value, batch.kv_cache.clone(),
-                                   batch.metadata, scale=128**-0.5, sliding_window=window)
+                                   metadata, scale=128**-0.5, sliding_window=window)
         eager = attend()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -7,14 +7,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import pytest
 import torch
 
-# The batch's metadata is the Triton backend's: without Triton, the tests that use it skip.
-pytest.importorskip("triton")
-
-from micro_vllm.attention.backends import triton_attn  # noqa: E402
-from micro_vllm.attention.backends.abstract import CommonAttentionMetadata  # noqa: E402
+from micro_vllm.attention.backends.abstract import AttentionMetadata, AttentionMetadataBuilder, CommonAttentionMetadata
+from micro_vllm.attention.spec import AttentionSpec
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -25,7 +21,16 @@ class Batch:
     query: torch.Tensor  # [num_actual + padding, H, D]
     kv_cache: torch.Tensor  # poisoned where nothing may be read
     clean_cache: torch.Tensor  # same data without poison, for the reference
-    metadata: triton_attn.TritonAttentionMetadata  # in request order (no decode_order)
+    metadata: AttentionMetadata  # the common metadata alone, as the reference backend reads it
+
+    def built_by(self, builder_cls: type[AttentionMetadataBuilder], sliding_window: int | None) -> AttentionMetadata:
+        """The step's metadata as ``builder_cls`` builds it for a KV cache group of these layers with
+        ``sliding_window``."""
+        _, _, block_size, num_kv_heads, head_size = self.kv_cache.shape
+        common = self.metadata.common
+        builder = builder_cls(AttentionSpec(num_kv_heads, head_size, sliding_window), self.query.shape[1], block_size,
+                              common.num_reqs, self.query.device, self.kv_cache.dtype)
+        return builder.build(common)
 
 
 def make_batch(
@@ -84,7 +89,7 @@ def make_batch(
         seq_lens_cpu=seq_lens_t,
     )
     query = torch.randn(num_actual + num_pad_tokens, num_heads, head_size).to(dtype)
-    return Batch(query.to(device), poisoned.to(device), cache.to(device), triton_attn.TritonAttentionMetadata(common))
+    return Batch(query.to(device), poisoned.to(device), cache.to(device), AttentionMetadata(common))
 
 
 def random_requests(

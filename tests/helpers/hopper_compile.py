@@ -30,6 +30,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from micro_vllm.attention.backends import triton_attn  # noqa: E402
 from micro_vllm.attention.backends.abstract import CommonAttentionMetadata  # noqa: E402
+from micro_vllm.attention.spec import AttentionSpec  # noqa: E402
 from micro_vllm.layers import triton_ops  # noqa: E402
 from micro_vllm.sampling import triton_sampler  # noqa: E402
 
@@ -102,31 +103,32 @@ def catch_launches() -> None:
 def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_splits: int,
                        head_size: int = 128, kv_cache_dtype: torch.dtype | None = None) -> None:
     backend = triton_attn.TritonBackend()
-    num_kv_heads, block_size, num_blocks = 8, 16, 64
+    num_kv_heads, block_size, num_blocks, max_num_reqs = 8, 16, 64, 12
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=kv_cache_dtype or dtype)
+    builder = triton_attn.TritonAttentionMetadataBuilder(
+        AttentionSpec(num_kv_heads, head_size, window), group * num_kv_heads, block_size, max_num_reqs,
+        torch.device("cpu"), kv_cache.dtype,
+    )
     # A decode batch (decode tiles), a step of short chunks (decode tiles on a prefill step's path),
     # a mixed one (prefill tiles), one with a long prompt (long-prefill tiles).
     for query_lens in ([1] * 12, [16 // group, 1, 1], [300, 1, 1, 7], [triton_attn._LONG_QUERY, 1]):
         num_reqs, num_tokens = len(query_lens), sum(query_lens)
         seq_lens = torch.tensor([n + 40 for n in query_lens], dtype=torch.int32)
         query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
-        metadata = triton_attn.TritonAttentionMetadata(
-            CommonAttentionMetadata(
-                num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
-                query_start_loc=query_start_loc, seq_lens=seq_lens,
-                block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
-                slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
-                query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
-            ),
-            # Decode steps come ordered from the runner (longest context first).
-            decode_order=torch.arange(num_reqs, dtype=torch.int32) if max(query_lens) == 1 else None,
-        )
+        splits = num_splits if max(query_lens) == 1 else 1
+        triton_attn._num_splits = lambda *_, n=splits: n
+        # As the runner builds it: decode steps ordered longest context first.
+        metadata = builder.build(CommonAttentionMetadata(
+            num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+        ))
         qkv = torch.zeros(num_tokens, (group + 2) * num_kv_heads * head_size, dtype=dtype)
         query = qkv[:, : group * num_kv_heads * head_size].view(num_tokens, group * num_kv_heads, head_size)
         key, value = (qkv[:, (group + i) * num_kv_heads * head_size:][:, : num_kv_heads * head_size]
                       .view(num_tokens, num_kv_heads, head_size) for i in (0, 1))
-        splits = num_splits if max(query_lens) == 1 else 1
-        triton_attn._num_splits = lambda *_, n=splits: n
         # As a layer runs it: the decode batch stores its K/V inside the attention launch, the mixed
         # one launches the write kernel first.
         # Distinct K and V tensors: the compiler would share one buffer between loads of one tensor.

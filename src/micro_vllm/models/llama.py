@@ -36,7 +36,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, output projection.
+    """Projections, RoPE (after a per-head q/k RMSNorm in Qwen3), paged attention, output projection.
 
     ``biases`` says whether the q/k/v projections and the output projection have a bias."""
 
@@ -58,22 +58,18 @@ class LlamaAttention(nn.Module):
         hidden_size = hf_config.hidden_size
         self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
-        self.qk_norm = QKNorm(self.q_norm, self.k_norm) if qk_norm else None  # applies the two above
-        self.rotary_emb = rotary_emb
-        # What the forward calls with q/k norm: the q/k norm and then RoPE, one kernel where both run theirs.
-        self.qk_norm_rope = QKNormRoPE(self.qk_norm, rotary_emb) if qk_norm else None
+        if qk_norm:  # the checkpoint's per-head norms, applied before RoPE by one op (layers/qk_norm_rope.py)
+            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
+            rotary_emb = QKNormRoPE(QKNorm(self.q_norm, self.k_norm), rotary_emb)
+        self.rotary_emb = rotary_emb  # chosen here, so forward never asks which
         self.attn = Attention(num_heads, self.head_size, num_kv_heads, self.head_size**-0.5, sliding_window)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm_rope is not None:
-            q, k = self.qk_norm_rope(positions, q, k)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k)  # with q/k norm first where the model has it
         return self.o_proj(self.attn(q, k, v, metadata))
 
 

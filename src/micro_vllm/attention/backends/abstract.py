@@ -3,8 +3,10 @@ builder through which each backend derives its own from it, and the backend's en
 
 The runner computes a ``CommonAttentionMetadata`` per KV cache group and step; the group's
 ``AttentionMetadataBuilder`` turns it into the backend's ``AttentionMetadata`` once, and every layer
-of the group reads that. A backend needing more than the common fields (an order of the requests,
-gather indices) subclasses both: its builder computes them once per step, not once per layer.
+of the group reads that. A backend needing more than the common fields (kernel tiles, an order of
+the requests, gather indices) subclasses both: its builder checks the group's layers and derives what
+no step changes once, when it is made with the KV cache, and computes the rest once per step, so a
+layer's call decides nothing.
 """
 
 from __future__ import annotations
@@ -53,12 +55,15 @@ class AttentionMetadataBuilder:
     """Builds a backend's metadata for one KV cache group, once per step (vLLM's name). This base
     class serves backends that read only the common metadata.
 
-    ``spec``, ``num_heads`` and ``kv_cache_dtype`` describe the group's layers; a builder that stages
-    tensors of its own allocates them here, for at most ``max_num_reqs`` requests, at addresses that
-    never change (a captured CUDA graph reads them)."""
+    ``spec``, ``num_heads`` and ``kv_cache_dtype`` describe the group's layers, checked here once; a
+    builder that stages tensors of its own allocates them here, for at most ``max_num_reqs``
+    requests, at addresses that never change (a captured CUDA graph reads them)."""
 
     def __init__(self, spec: AttentionSpec, num_heads: int, block_size: int, max_num_reqs: int,
                  device: torch.device, kv_cache_dtype: torch.dtype) -> None:
+        if num_heads % spec.num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}: "
+                             "each KV head must serve the same number of query heads")
         self.spec = spec
         self.num_heads = num_heads
         self.block_size = block_size

@@ -229,10 +229,10 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch
             scores += batch.mask
         out = _weighted_values(scores.softmax(dim=-1), values, batch, metadata.values_in_place)
         return out.to(query.dtype).view(num_reqs, num_heads, head_size)
-    k = keys.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads  # query heads per KV head
-    v = values.index_select(0, batch.kv_rows).view(num_reqs, -1, k_len, head_size)
+    group = batch.group
+    num_kv_heads = num_heads // group
+    k = keys.index_select(0, batch.kv_rows).view(num_reqs, num_kv_heads, k_len, head_size)
+    v = values.index_select(0, batch.kv_rows).view(num_reqs, num_kv_heads, k_len, head_size)
     k, v = k.to(query.dtype), v.to(query.dtype)  # an fp8 cache widens to the query's dtype; else a no-op
     # Each KV head's query heads stacked along the query axis, so one call serves GQA without
     # repeating K/V: [R, kv_heads, group * q_len, d].

@@ -2,14 +2,18 @@
 
 This module owns the Triton kernels and the host code that sizes their grids; it is one file, longer
 than the others, because each kernel's tile and split choices are only readable next to the kernel
-they shape:
+they shape. The choices are made once: ``TritonAttentionMetadataBuilder``, made for a KV cache group
+when the cache is allocated, checks the group's heads and derives from them and the cache's dtype
+what no step changes; its ``build``, once per step, picks the tiles, the split count and the grid
+(``_pick_tiles``, ``_num_splits``) into the step's ``TritonAttentionMetadata``, and each layer's
+``write_and_attend`` only launches what that says.
 
 * ``_write_kv_kernel`` scatters a step's K/V rows into the paged cache through ``slot_mapping``.
 * ``_attention_kernel`` computes attention for a whole step in one launch: prefill chunks (with cached
   context before them) and decodes mixed, causal, GQA, optional sliding window, online softmax in fp32.
   In a decode step it also stores each request's new K/V (``WRITE_KV``), so no write launch precedes it:
   the loop reads the cached keys and the new token's key joins the softmax from registers.
-  In a step with prefill chunks (``KV_FROM_STEP``, when ``TritonBackend._attend`` takes it) the cached
+  In a step with prefill chunks (``KV_FROM_STEP``, when the builder chooses it) the cached
   keys come through the pages and this step's own keys, which the write kernel has just stored, from
   the step's K/V rows: contiguous rows need no page lookup per key. On the long-prefill tiles the
   copy engine reads them (``STEP_KV_TMA``: each program builds tensor descriptors of its request's rows).
@@ -43,16 +47,16 @@ Head sizes need not be powers of two (80, 96, 12...): the kernels work on ``HEAD
 head size rounded up to a power of two and to at least 16 (``tl.arange`` and ``tl.dot`` need both),
 and mask the lanes past the head, which load as 0 and so add nothing to either product. Heads of a
 power of two >= 16 compile to the same code as without the masks. Heads wider than 256 are refused
-(``supports_head_size``).
+(``supports_head_size``; the builder refuses them too).
 
-CUDA graphs: the grid, the tile shape and the split count depend only on ``num_reqs``,
-``query.shape[0]``, ``max_query_len``, the head counts and the device; never on sequence lengths, which
-the kernels read from ``seq_lens`` on the device. A graph captured for a decode batch therefore needs
-no bound on ``max_seq_len``: it replays correctly for any context lengths its block table covers. It
-needs a fixed ``num_reqs`` (``seq_lens_cpu.shape[0]``) and ``max_query_len == 1``, so pad the batch
-with dummy requests rather than dropping them: a dummy may have no query
-(``query_start_loc[i] == query_start_loc[i + 1]``, it costs nothing) or one query over any
-``seq_len`` its block-table row covers (``seq_len`` 1 on the null block is fine). A graph for steps
+CUDA graphs: the builder chooses the grid, the tile shape and the split count from ``num_reqs``, the
+step's token count (``slot_mapping``'s rows), ``max_query_len``, the group's heads and cache dtype and
+the device alone; never from sequence lengths, which the kernels read from ``seq_lens`` on the device.
+A graph captured for a decode batch therefore needs no bound on ``max_seq_len``: it replays correctly
+for any context lengths its block table covers. It needs a fixed ``num_reqs`` (``seq_lens_cpu.shape[0]``)
+and ``max_query_len == 1``, so pad the batch with dummy requests rather than dropping them: a dummy may
+have no query (``query_start_loc[i] == query_start_loc[i + 1]``, it costs nothing) or one query over
+any ``seq_len`` its block-table row covers (``seq_len`` 1 on the null block is fine). A graph for steps
 with prefill chunks is captured with a ``max_query_len`` that takes the prefill tiles, which have no
 splits and search each program's request: its grid depends on ``num_tokens`` and ``num_reqs`` only, so
 it replays any mix of query lengths up to that bound. Requests without a query own one program each,
@@ -61,11 +65,11 @@ which exits; padding tokens may form a dummy request whose block-table row is th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import NamedTuple
-
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -195,7 +199,6 @@ def _attend_tile(
     HAS_WINDOW: tl.constexpr,
     FROM_STEP: tl.constexpr,  # the keys are this step's rows, not cached pages
     STEP_KV_TMA: tl.constexpr,  # FROM_STEP only: k_base and v_base are tensor descriptors of the rows
-    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over keys [first_key + tile * TILE_N, first_key + (tile + 1) * TILE_N).
 
@@ -226,7 +229,8 @@ def _attend_tile(
         k = tl.load(k_base + k_offset[None, :] + dims[:, None], mask=k_mask, other=0.0).to(q.dtype)
         v = tl.load(v_base + v_offset[:, None] + dims[None, :], mask=v_mask, other=0.0).to(q.dtype)
 
-    s = tl.dot(q, k, input_precision=DOT_PRECISION)  # scaled below, inside the exponent's FMA
+    # "ieee": fp32 products exact, not rounded to tf32; 16-bit products compile the same whatever it says.
+    s = tl.dot(q, k, input_precision="ieee")  # scaled below, inside the exponent's FMA
     if MASKED:
         # Causal, and inside the keys read: with WRITE_KV a query's own key is visible but not read here.
         visible = (keys[None, :] <= q_pos[:, None]) & (keys < key_end)[None, :]
@@ -239,7 +243,7 @@ def _attend_tile(
     p = tl.math.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     # The rescaled accumulator is the product's own: no second register tile, no separate add.
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
     return acc, m_new, l_i
 
 
@@ -254,7 +258,6 @@ def _attend_range(
     HAS_WINDOW: tl.constexpr,
     FROM_STEP: tl.constexpr,
     STEP_KV_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Tiles [tile_begin, tile_end) of one key source (``_attend_tile``). Those in [full_begin,
     full_end) are visible to every row (no causal or window edge inside) and skip all masking; only
@@ -272,7 +275,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, tile, first_key, block_row, k_base, v_base, key_start, key_end, window,
                 scale_log2, stride_block, stride_k, stride_v,
-                BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, part != 1, HAS_WINDOW, FROM_STEP, STEP_KV_TMA, DOT_PRECISION,
+                BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, part != 1, HAS_WINDOW, FROM_STEP, STEP_KV_TMA,
             )
     return acc, m_i, l_i
 
@@ -323,7 +326,6 @@ def _attention_kernel(
     ONE_QBLOCK_PER_REQ: tl.constexpr,  # every request has <= BLOCK_Q queries: program i = request i
     HAS_ORDER: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     WRITE_KV: tl.constexpr,  # decode only: store each request's new K/V here instead of a launch of its own
     KV_FROM_STEP: tl.constexpr,  # steps with prefill chunks: read this step's keys from key_ptr/value_ptr
     STEP_KV_TMA: tl.constexpr,  # KV_FROM_STEP through tensor descriptors (_pick_tiles says when)
@@ -413,7 +415,7 @@ def _attention_kernel(
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, q_pos, tile_begin, full_begin, full_end, tile_end, 0, block_row, k_base, v_base,
         key_start, cache_end, window, scale_log2, cache_stride_block, cache_stride_tok, cache_stride_tok,
-        BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, False, False, DOT_PRECISION,
+        BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, False, False,
     )
     if KV_FROM_STEP:
         # This step's keys, after the cached ones (steps with prefill chunks have one split). Row j
@@ -436,7 +438,7 @@ def _attention_kernel(
             acc, m_i, l_i, q, q_pos, step_begin, step_full_begin, (first_q + 1) // TILE_N,
             tl.cdiv(key_end - context_len, TILE_N), context_len, block_row, k_rows, v_rows,
             key_start, key_end, window, scale_log2, 0, key_stride_t, value_stride_t,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, True, STEP_KV_TMA, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, HAS_WINDOW, True, STEP_KV_TMA,
         )
     # The new token's key, in the program whose range ends the cached keys (split 0 when none is
     # cached): one more online-softmax column, then its K/V go to the cache for later steps.
@@ -507,11 +509,6 @@ def _merge_splits_kernel(
              mask=dim_valid)
 
 
-def _tma_aligned(rows: torch.Tensor) -> bool:
-    """Whether TMA can copy tiles of these rows: their start and strides are multiples of 16 bytes."""
-    return rows.data_ptr() % 16 == 0 and all(stride * rows.element_size() % 16 == 0 for stride in rows.stride()[:-1])
-
-
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global memory in which a launch's programs build their tensor descriptors (Triton asks at launch).
     PyTorch's caching allocator serves it on the current stream, the launch's, aligned to 512 bytes:
@@ -561,11 +558,11 @@ class _Tiles(NamedTuple):
 
 def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False,
                 fp32: bool = False, step_kv_aligned: bool = False) -> _Tiles:
-    """Tile shape and launch parameters for a batch of this shape.
+    """Tile shape and launch parameters for a step of this shape (the builder asks once per step).
 
     Decode-like batches take 16 rows, the smallest tl.dot, and are memory-bound; prefill takes a
     taller tile so each K/V tile loaded serves more queries. ``step_kv_aligned``: the step's own K/V
-    rows are given, in the query's dtype, at addresses and strides TMA can copy (``_tma_aligned``).
+    rows are in the query's dtype at addresses and strides TMA can copy (the builder's rule).
     """
     if max_query_len * group <= 16:  # then max_query_len <= 16 // group, the tile's query tokens
         # Heads wider than 128 take half as many keys per step: 128 keys of 256 channels spill
@@ -598,16 +595,60 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
     return _Tiles(rows, 32, 4, 2, one_qblock_per_req=False)
 
 
+class _GroupShape(NamedTuple):
+    """The heads and pages of a KV cache group's layers, as every launch for them takes them."""
+
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    head_size: int
+    head_pad: int  # the head size rounded up to a power of two >= 16 (tl.arange and tl.dot need both)
+    block_size: int  # tokens per page
+
+
 @dataclass
 class TritonAttentionMetadata(AttentionMetadata):
+    """One step's launch for every layer of a KV cache group, chosen once by the group's builder."""
+
+    shape: _GroupShape
+    tiles: _Tiles
+    num_query_blocks: int  # the grid's second dimension; 0 when the step has no query
+    num_splits: int  # programs per (request, KV head); more than 1: flash decoding, then the merge
+    write_kv_in_launch: bool  # a decode step: the attention launch stores the step's K/V (no write launch)
+    kv_from_step: bool  # the step's own keys come from its K/V rows, not back through the pages
     # int32 [num_reqs], decode steps only: the order in which the kernel starts the requests' programs
     # (longest context first, so the long programs do not finish last); None: request order.
     decode_order: torch.Tensor | None = None
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Checks a KV cache group's layers once, when the KV cache is allocated, and derives what no step
+    changes; ``build`` then chooses each step's tiles, split count and grid, which the group's layers
+    only launch."""
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        spec = self.spec
+        if not TritonBackend.supports_head_size(spec.head_size):
+            raise ValueError(
+                f"head_size={spec.head_size} is not served by the triton backend: at most {_MAX_HEAD_SIZE}"
+            )
+        self.shape = _GroupShape(spec.num_kv_heads, self.num_heads // spec.num_kv_heads, spec.head_size,
+                                 _head_pad(spec.head_size), self.block_size)
+        # The cache holds K/V in the model's dtype (that of the queries and the step's K/V rows) or
+        # in fp8 (AttentionBackend), so its dtype says which tiles fit.
+        self.fp8_cache = self.kv_cache_dtype == torch.float8_e4m3fn
+        self.fp32 = self.kv_cache_dtype == torch.float32
+        # Steps with prefill chunks read their own keys from the step's K/V rows rather than back
+        # through the pages: contiguous rows need no page lookup per key, so the prefill tiles stream
+        # them as plain tiles (benchmarks/attention_sweep.py). Not when the cache rounds what it
+        # stores (fp8: a key must weigh the same in every step), nor for heads wider than 128, whose
+        # programs run out of registers with both key sources (tests/helpers/hopper_compile.py);
+        # ``build`` also leaves it to the decode tiles.
+        self.kv_from_step = not self.fp8_cache and self.shape.head_pad <= 128
+        # TMA copies rows whose start and strides are multiples of 16 bytes. A layer's K/V rows start
+        # and step by whole heads within its projections' outputs (allocated at coarser alignments),
+        # so they are when a head is.
+        self.step_kv_aligned = not self.fp8_cache and spec.head_size * self.kv_cache_dtype.itemsize % 16 == 0
         self.decode_order = CpuGpuBuffer((self.max_num_reqs,), torch.int32, self.device)
         # The context lengths of a decode step that keeps the staged order: those it was sorted for,
         # each one longer (adding the same to every length changes no comparison, ties included),
@@ -618,13 +659,36 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.num_reqs_keeping_order = 0
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """A decode step (one token per request) gets its requests ordered longest context first.
-        The order is sorted again only when the lengths are not those of the last decode step each
-        grown by one, padding rows aside (most decode steps keep their requests, and each request
-        grows by its token)."""
+        """The step's tiles and split count, from its shape alone (never from sequence lengths, so
+        that a captured CUDA graph replays for any), its grid, and for a decode step the order of its
+        programs."""
+        shape, max_query_len = self.shape, common.max_query_len
+        num_reqs, num_tokens = common.num_reqs, common.slot_mapping.shape[0]  # the query's rows, padding included
+        tiles = _pick_tiles(max_query_len, shape.group, shape.head_size, self.fp8_cache, self.fp32,
+                            self.step_kv_aligned)
+        one_qblock = tiles.one_qblock_per_req
+        num_query_blocks = num_reqs if one_qblock else num_tokens // (tiles.block_m // shape.group) + num_reqs
+        if num_query_blocks > _MAX_GRID_Y:
+            raise ValueError(
+                f"a step of {num_tokens} tokens needs {num_query_blocks} query blocks; at most {_MAX_GRID_Y} fit a grid"
+            )
+        decodes = one_qblock and common.num_actual_tokens == num_reqs
+        return TritonAttentionMetadata(
+            common, shape, tiles,
+            num_query_blocks=num_query_blocks if num_reqs and num_tokens else 0,  # 0: no launch
+            num_splits=_num_splits(self.device, num_reqs, shape.num_kv_heads, max_query_len),
+            write_kv_in_launch=max_query_len == 1,
+            # The decode tiles take no second key loop: it would get pipeline buffers of its own,
+            # doubling their shared memory (fp32 heads of 128 then overflow an H200 block).
+            kv_from_step=self.kv_from_step and not one_qblock,
+            decode_order=self._decode_order(common) if decodes else None,
+        )
+
+    def _decode_order(self, common: CommonAttentionMetadata) -> torch.Tensor:
+        """The requests longest context first, on the device. Sorted again only when the lengths are
+        not those of the last decode step each grown by one, padding rows aside (most decode steps
+        keep their requests, and each request grows by its token)."""
         num_reqs = common.num_reqs
-        if common.num_actual_tokens != num_reqs:
-            return TritonAttentionMetadata(common)
         seq_lens = common.seq_lens_cpu.numpy()
         keeping_order = self.seq_lens_keeping_order[:num_reqs]
         # Both int32: equal bytes are equal lengths, compared in one call instead of a comparison and a reduction.
@@ -632,10 +696,14 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             self.decode_order.np[:num_reqs] = np.argsort(-seq_lens, kind="stable")
         np.add(seq_lens, seq_lens != 1, out=keeping_order)
         self.num_reqs_keeping_order = num_reqs
-        return TritonAttentionMetadata(common, self.decode_order.copy_to_device(num_reqs))
+        return self.decode_order.copy_to_device(num_reqs)
 
 
 class TritonBackend(AttentionBackend):
+    """The kernels above behind the backend interface. Query, key and value come as a layer's views of
+    its projections: unit stride across a head's channels, and (what TMA needs, see the builder's
+    ``step_kv_aligned``) rows at multiples of 16 bytes when a head is."""
+
     builder_cls = TritonAttentionMetadataBuilder
     cuda_graph_safe = True  # grids depend on batch shape only; lengths are read on the device
     long_query_len = _LONG_QUERY  # the long-prefill tiles (_pick_tiles)
@@ -651,10 +719,6 @@ class TritonBackend(AttentionBackend):
         if num_tokens == 0:
             return
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-        if key.stride(-1) != 1:
-            key = key.contiguous()
-        if value.stride(-1) != 1:
-            value = value.contiguous()
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         _write_kv_kernel[(num_tokens,)](
             key,
@@ -685,7 +749,13 @@ class TritonBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        return self._attend(query, kv_cache, metadata, scale, sliding_window)
+        """Attention over the cache alone, which holds the step's K/V already (layers run
+        ``write_and_attend``; the tests hold this to the reference): the step's launch with every
+        key read through the pages."""
+        through_pages = dataclasses.replace(metadata, tiles=metadata.tiles._replace(step_kv_tma=False),
+                                            write_kv_in_launch=False, kv_from_step=False)
+        # The launch reads no K/V rows: the query stands in for them.
+        return self._attend(query, query, query, kv_cache, through_pages, scale, sliding_window)
 
     def write_and_attend(self, query, key, value, kv_cache, metadata: TritonAttentionMetadata, *, scale,
                          sliding_window):
@@ -693,76 +763,32 @@ class TritonBackend(AttentionBackend):
         fewer). The new key joins the softmax from registers rather than being stored first and read
         back behind a barrier, which costs more than the separate launch it saves. Steps with longer
         queries write first, for the steps after them, then attend with this step's rows at hand
-        (``_attend`` says when it reads its keys from them)."""
-        if metadata.common.max_query_len != 1:
+        (the builder's ``kv_from_step`` says whether their keys are read from them)."""
+        if not metadata.write_kv_in_launch:
             self.write_kv(key, value, kv_cache, metadata.common.slot_mapping)
-        return self._attend(query, kv_cache, metadata, scale, sliding_window, step_kv=(key, value))
+        return self._attend(query, key, value, kv_cache, metadata, scale, sliding_window)
 
-    def _attend(self, query, kv_cache, metadata: TritonAttentionMetadata, scale: float, sliding_window: int | None,
-                step_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Attention over the cache, and over ``step_kv``, this step's K/V rows, when given.
-
-        A decode step stores them into the cache in the same launch. A step with prefill chunks,
-        whose rows the cache already holds, reads its own keys from them rather than back through
-        the pages: contiguous rows need no page lookup per key, so the prefill tiles stream them as
-        plain tiles (benchmarks/attention_sweep.py). It reads the cache alone when
-          * the cache rounds what it stores (fp8): a key must weigh the same in every step;
-          * heads are wider than 128: their programs run out of registers with both key sources;
-          * its chunks are short enough for the decode tiles: the second key loop would get pipeline
-            buffers of its own, doubling their shared memory (fp32 heads of 128 then overflow an
-            H200 block). The last two by tests/helpers/hopper_compile.py."""
-        num_tokens, num_heads, head_size = query.shape
-        _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
-        if head_size != cache_head_size or not self.supports_head_size(head_size):
-            raise ValueError(
-                f"head_size={head_size} (the cache's: {cache_head_size}) is not served: the query's and the "
-                f"cache's must match and be at most {_MAX_HEAD_SIZE}"
-            )
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        if query.stride(-1) != 1:
-            query = query.contiguous()
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TritonAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """The step's launch as its metadata plans it, over this layer's tensors: attention over the
+        cache and this step's K/V rows ``key`` and ``value`` (stored by a decode step's launch, read
+        by a step with prefill chunks where ``kv_from_step``), then the merge of the splits."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous for .view()
-        common = metadata.common
-        num_reqs = common.num_reqs
-        if num_reqs == 0 or num_tokens == 0:
+        if metadata.num_query_blocks == 0:
             return out
-
-        group = num_heads // num_kv_heads
-        max_query_len = common.max_query_len
-        key, value = (query, query) if step_kv is None else (t if t.stride(-1) == 1 else t.contiguous() for t in step_kv)
-        # Only the long-prefill tiles read by TMA: other steps (every decode) skip the checks.
-        step_kv_aligned = (max_query_len >= _LONG_QUERY and step_kv is not None
-                           and kv_cache.dtype == key.dtype == value.dtype == query.dtype
-                           and _tma_aligned(key) and _tma_aligned(value))
-        tiles = _pick_tiles(max_query_len, group, head_size, kv_cache.dtype == torch.float8_e4m3fn,
-                            query.dtype == torch.float32, step_kv_aligned)
-        block_q = tiles.block_m // group
-        one_qblock = tiles.one_qblock_per_req
-        grid_q = num_reqs if one_qblock else num_tokens // block_q + num_reqs
-        num_splits = _num_splits(query.device, num_reqs, num_kv_heads, max_query_len)
-        order = metadata.decode_order if one_qblock else None
-        head_pad = _head_pad(head_size)
-        kv_from_step = step_kv is not None and not one_qblock and kv_cache.dtype == query.dtype and head_pad <= 128
-
+        common, shape, tiles, num_splits = metadata.common, metadata.shape, metadata.tiles, metadata.num_splits
         if num_splits > 1:
-            partial = torch.empty(
-                num_tokens, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device
-            )
-            lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+            partial = torch.empty(*query.shape[:2], num_splits, shape.head_size, dtype=torch.float32,
+                                  device=query.device)
+            lse = torch.empty(*query.shape[:2], num_splits, dtype=torch.float32, device=query.device)
             target, split_stride, lse_t, lse_h = partial, partial.stride(2), lse.stride(0), lse.stride(1)
         else:
             target, lse, split_stride, lse_t, lse_h = out, out, 0, 0, 0
-
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        window = sliding_window if sliding_window is not None else 0
-        if tiles.step_kv_tma:  # (taken with kv_from_step) a ContextVar: set in the thread that launches
+        if tiles.step_kv_tma:  # a ContextVar: set in the thread that launches
             triton.set_allocator(_descriptor_scratch)
-        if grid_q > _MAX_GRID_Y:
-            raise ValueError(
-                f"a step of {num_tokens} tokens needs {grid_q} query blocks; at most {_MAX_GRID_Y} fit a grid"
-            )
-        _attention_kernel[(num_kv_heads, grid_q, num_splits)](
+        order = metadata.decode_order
+        _attention_kernel[(shape.num_kv_heads, metadata.num_query_blocks, num_splits)](
             target,
             lse,
             query,
@@ -775,9 +801,9 @@ class TritonBackend(AttentionBackend):
             key,
             value,
             common.slot_mapping,
-            num_reqs,
+            common.num_reqs,
             scale * math.log2(math.e),
-            window,
+            sliding_window or 0,
             query.stride(0),
             query.stride(1),
             target.stride(0),
@@ -793,31 +819,30 @@ class TritonBackend(AttentionBackend):
             key.stride(1),
             value.stride(0),
             value.stride(1),
-            GROUP=group,
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_Q=block_q,
+            GROUP=shape.group,
+            HEAD_SIZE=shape.head_size,
+            HEAD_PAD=shape.head_pad,
+            BLOCK_SIZE=shape.block_size,
+            BLOCK_Q=tiles.block_m // shape.group,
             BLOCK_M=tiles.block_m,
             TILE_N=tiles.tile_n,
             NUM_SPLITS=num_splits,
             MIN_SPLIT_TILES=max(1, _MIN_SPLIT_KEYS // tiles.tile_n),
-            ONE_QBLOCK_PER_REQ=one_qblock,
+            ONE_QBLOCK_PER_REQ=tiles.one_qblock_per_req,
             HAS_ORDER=order is not None,
             HAS_WINDOW=sliding_window is not None,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            WRITE_KV=step_kv is not None and max_query_len == 1,
-            KV_FROM_STEP=kv_from_step,
+            WRITE_KV=metadata.write_kv_in_launch,
+            KV_FROM_STEP=metadata.kv_from_step,
             STEP_KV_TMA=tiles.step_kv_tma,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
         if num_splits > 1:
-            _merge_splits_kernel[(num_tokens, num_heads)](
+            _merge_splits_kernel[(query.shape[0], query.shape[1])](
                 out,
                 partial,
                 lse,
-                common.query_start_loc[num_reqs:],
+                common.query_start_loc[common.num_reqs:],
                 out.stride(0),
                 out.stride(1),
                 partial.stride(0),
@@ -826,8 +851,8 @@ class TritonBackend(AttentionBackend):
                 lse.stride(1),
                 NUM_SPLITS=num_splits,
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
-                HEAD_SIZE=head_size,
-                HEAD_PAD=head_pad,
+                HEAD_SIZE=shape.head_size,
+                HEAD_PAD=shape.head_pad,
                 num_warps=4,
             )
         return out
