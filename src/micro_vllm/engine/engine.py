@@ -34,7 +34,7 @@ from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
 from micro_vllm.metrics.stats import SchedulerStats
-from micro_vllm.model_loader.checkpoint import load_hf_config, resolve_model_path
+from micro_vllm.model_loader.checkpoint import default_sampling_overrides, load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from micro_vllm.sampling.params import SamplingParams, bad_words_token_ids
@@ -55,12 +55,14 @@ class Engine:
         trace_config = resolve_trace(config.trace)  # a bad trace setting fails before any loading
         model_config = config.model_config
         path = resolve_model_path(model_config.model)
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, model_config.hf_overrides)
         get_model_class(hf_config)  # fail on an unsupported architecture before loading anything
         self.max_model_len = _resolve_max_model_len(config, hf_config)
         self.vocab_size = hf_config.vocab_size
         self.tokenizer = load_tokenizer(path, model_config.tokenizer)
         self.eos_token_ids = _eos_token_ids(path, hf_config, self.tokenizer)
+        # The SamplingParams fields the model recommends (LLM.get_default_sampling_params).
+        self.default_sampling_overrides = default_sampling_overrides(path, model_config.generation_config)
 
         self.executor: Executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
         groups = make_kv_cache_groups(self.executor.get_attention_specs())
