@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from micro_vllm.config import LLMConfig
-from micro_vllm.engine.engine import Engine, PromptType
+from micro_vllm.engine.engine import LLMEngine, PromptType
 from micro_vllm.engine.output import RequestOutput
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.validation import reject, short_repr
@@ -39,7 +39,7 @@ class LLM:
         elif model is not None or kwargs:
             raise TypeError("give LLM either an LLMConfig or keywords, not both")
         self.config = config
-        self.engine: Engine | None = Engine(config)
+        self.engine: LLMEngine | None = LLMEngine(config)
         self._request_counter = itertools.count()
         # One generate() at a time: calls from several threads wait for each other.
         self._generate_lock = threading.Lock()
@@ -92,12 +92,12 @@ class LLM:
                 if self._shutdown_requested:
                     self._close()
 
-    def _generate(self, engine: Engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, engine: LLMEngine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         requests = [engine.make_request(str(next(self._request_counter)), p, sp) for p, sp in zip(prompts, params)]
         for request in requests:
-            engine.add_request(request)
+            engine.add_request(request.request_id, request)
         order = {r.request_id: i for i, r in enumerate(requests)}
         with self._abort_lock:
             self._in_flight = set(order)
@@ -188,11 +188,11 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _apply_aborts(self, engine: Engine) -> list[RequestOutput]:
+    def _apply_aborts(self, engine: LLMEngine) -> list[RequestOutput]:
         """Abort what abort_request queued since the last step; return those requests' outputs."""
         with self._abort_lock:
             aborts, self._pending_aborts = self._pending_aborts, []
-        return [out for out in map(engine.abort_request, aborts) if out is not None]
+        return engine.abort_request(aborts)
 
     def _inside_generate(self) -> bool:
         """Whether this thread runs ``generate`` (and calls in from a callback)."""
@@ -203,7 +203,7 @@ class LLM:
             self.engine.shutdown()
             self.engine = None
 
-    def _engine(self) -> Engine:
+    def _engine(self) -> LLMEngine:
         if self.engine is None or self._shutdown_requested:
             raise RuntimeError("this LLM was shut down")
         return self.engine
