@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
 from micro_vllm.config import CUSTOM_OPS
+from micro_vllm.engine.arg_utils import EngineArgs
 from micro_vllm.sampling.params import MAX_N
 from micro_vllm.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX
 from helpers.tiny_models import VOCAB_SIZE, make_tiny_model
@@ -210,7 +211,7 @@ def test_bad_custom_ops_entry_is_named_with_the_allowed_ops():
 
 
 def test_custom_ops_reach_the_model_config_as_a_tuple():
-    config = LLMConfig.from_kwargs("m", custom_ops=["none", "+sampler"])
+    config = EngineArgs(model="m", custom_ops=["none", "+sampler"]).create_engine_config()
     assert config.model_config.custom_ops == ("none", "+sampler")
     hash(config)  # a list would make the frozen config unhashable
 

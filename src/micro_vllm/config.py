@@ -6,7 +6,6 @@ backend) are resolved by the layer that owns them (the Worker), not written back
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,7 +169,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class LLMConfig:
-    """Everything an engine needs, grouped the way vLLM groups it."""
+    """Everything an engine needs, grouped the way vLLM groups it (``EngineArgs`` gives the same
+    settings flat, as keywords and command line flags)."""
 
     model_config: ModelConfig
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -181,24 +181,6 @@ class LLMConfig:
         for name, section_cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), section_cls):
                 raise reject(name, getattr(self, name), f"a {section_cls.__name__}")
-
-    @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> LLMConfig:
-        """Build from flat keywords (vLLM's ``LLM(model=..., max_model_len=...)`` form)."""
-        parts: dict[str, dict[str, Any]] = {}
-        for part, part_cls in _SECTIONS.items():
-            names = {f.name for f in dataclasses.fields(part_cls)}
-            parts[part] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-        trace = kwargs.pop("trace", None)
-        if kwargs:
-            allowed = sorted(f.name for c in _SECTIONS.values() for f in dataclasses.fields(c)) + ["trace"]
-            raise TypeError(f"unknown keyword(s) {sorted(kwargs)} for LLM; allowed: {allowed}")
-        return cls(
-            model_config=ModelConfig(model=model, **parts["model_config"]),
-            scheduler_config=SchedulerConfig(**parts["scheduler_config"]),
-            cache_config=CacheConfig(**parts["cache_config"]),
-            trace=trace,
-        )
 
 
 _SECTIONS = {"model_config": ModelConfig, "scheduler_config": SchedulerConfig, "cache_config": CacheConfig}

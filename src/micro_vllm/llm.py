@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from micro_vllm.config import LLMConfig
+from micro_vllm.engine.arg_utils import engine_args_from_kwargs
 from micro_vllm.engine.engine import LLMEngine, PromptType
 from micro_vllm.engine.output import RequestOutput
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
@@ -22,18 +23,23 @@ from micro_vllm.validation import reject, short_repr
 class LLM:
     """Generate text with a model, vLLM style.
 
-    ``LLM(LLMConfig(...))`` or ``LLM(model=path, max_model_len=..., block_size=..., ...)`` (the model
-    may also come first, unnamed), where every field of ``ModelConfig``, ``SchedulerConfig`` and
-    ``CacheConfig`` can be given by name.
+    ``LLM(model=path, max_model_len=..., block_size=..., ...)`` takes every ``EngineArgs`` setting
+    by name (the model may also come first, unnamed; none: the default model), or ``LLM(LLMConfig(...))``
+    the grouped configs.
+
+    ``seed`` seeds the engine's own random generators (the sampler's, and dummy weights'), never the
+    global ones of Python's ``random``, numpy or torch: vLLM seeds those in its worker process, which
+    in vLLM's default multiprocessing mode is not the user's, whereas this engine runs in the caller's
+    process, where reseeding them would change the caller's own random streams. Sampling with a seed
+    is reproducible without them: an unseeded request draws from the engine's generator, and a
+    ``SamplingParams.seed`` gives a request its own.
     """
 
     def __init__(self, config: LLMConfig | str | None = None, *, model: str | None = None, **kwargs: Any) -> None:
         if isinstance(config, str) and model is None:  # LLM("path/or/hub-id", ...), as in vLLM
             config, model = None, config
         if config is None:
-            if model is None:
-                raise TypeError("LLM needs an LLMConfig or model=...")
-            config = LLMConfig.from_kwargs(model, **kwargs)
+            config = engine_args_from_kwargs("LLM", {"model": model, **kwargs}).create_engine_config()
         elif not isinstance(config, LLMConfig):
             raise reject("config", config, "an LLMConfig or a model path (str)", TypeError)
         elif model is not None or kwargs:

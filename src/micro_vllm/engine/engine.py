@@ -44,6 +44,7 @@ from micro_vllm.trace.tracer import Tracer, resolve_trace
 from micro_vllm.validation import is_int, reject, short_repr
 
 if TYPE_CHECKING:
+    from micro_vllm.engine.arg_utils import EngineArgs
     from micro_vllm.structured_output.manager import StructuredOutputManager
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -96,6 +97,11 @@ class LLMEngine:
         # scheduler, runner and model are freed by reference counting (tests/engine/test_generate.py).
         gc.collect()
         gc.freeze()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's way to build the engine: from flat settings (``EngineArgs``)."""
+        return cls(engine_args.create_engine_config())
 
     # -- requests ------------------------------------------------------------------------------
 
