@@ -32,7 +32,7 @@ def model(tmp_path_factory):
 
 def start_engine(model):
     logger = RecordingLogger()
-    engine = AsyncLLM(AsyncEngineArgs(model=model, **KWARGS).create_engine_config(), stat_loggers=[logger])
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **KWARGS), stat_loggers=[logger])
     engine.logger = logger
     return engine
 

@@ -14,9 +14,8 @@ from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
 
 def test_a_dead_engine_loop_fails_requests_and_health(tmp_path):
     engine_args = AsyncEngineArgs(model=str(make_tiny_model("llama", tmp_path)), device="cpu", max_model_len=64)
-    config = engine_args.create_engine_config()
     logger = PrometheusStatLogger("tiny")
-    engine = AsyncLLM(config, stat_loggers=[logger])
+    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[logger])
 
     killed = []
 
