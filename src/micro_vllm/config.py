@@ -6,7 +6,6 @@ backend) are resolved by the layer that owns them (the Worker), not written back
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,9 @@ from micro_vllm.validation import (
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 means e4m3, as on CUDA in vLLM
+# vLLM's load formats that apply here: "auto" and "safetensors" read the checkpoint's *.safetensors;
+# "dummy" gives random weights of the right shapes and dtypes, no weight files needed (benchmarks).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # The ops with a Triton implementation beside their PyTorch one, as ``custom_ops`` names them: the
 # layers' CustomOps (layers/custom_op.py) and the sampler's route. fused_qk_norm_rope does qk_norm's
 # and rotary_embedding's work in one kernel, and runs it only where both of theirs are enabled too.
@@ -51,6 +53,15 @@ class ModelConfig:
     # The most logprobs (or prompt logprobs) a request may ask for (vLLM's name and default); -1: the
     # whole vocabulary.
     max_logprobs: int = 20
+    # vLLM's hf_overrides: a dict of Hugging Face config attributes to set, or a function that takes
+    # the model's config and returns the one to use; applied before the model is built. Left out of
+    # the hash: a dict has none.
+    hf_overrides: Any = field(default=None, hash=False)
+    load_format: str = "auto"  # one of LOAD_FORMATS
+    # Where LLM.get_default_sampling_params() takes its defaults (vLLM's generation_config): "auto"
+    # from the model's generation_config.json, "vllm" from SamplingParams alone, or a directory
+    # holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         check_str("model", self.model, "a model directory or a hub id (a non-empty string)")
@@ -69,6 +80,15 @@ class ModelConfig:
         check_field(self, "custom_ops", _check_custom_ops)
         check_field(self, "max_logprobs", check_int, -1, allowed=f"-1 (the whole vocabulary) or an integer in "
                     f"[0, {INT32_MAX}]")
+        if not (self.hf_overrides is None or callable(self.hf_overrides) or (
+            isinstance(self.hf_overrides, dict) and all(isinstance(key, str) for key in self.hf_overrides)
+        )):
+            raise reject("hf_overrides", self.hf_overrides, "None, a dict with string keys, or a function that "
+                         "takes and returns a transformers PretrainedConfig")
+        if self.load_format not in LOAD_FORMATS:
+            raise reject("load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        check_str("generation_config", self.generation_config,
+                  "'auto', 'vllm' or a directory holding a generation_config.json")
 
 
 def _check_custom_ops(name: str, value: Any) -> tuple[str, ...] | None:
@@ -149,7 +169,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class LLMConfig:
-    """Everything an engine needs, grouped the way vLLM groups it."""
+    """Everything an engine needs, grouped the way vLLM groups it (``EngineArgs`` gives the same
+    settings flat, as keywords and command line flags)."""
 
     model_config: ModelConfig
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -160,24 +181,6 @@ class LLMConfig:
         for name, section_cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), section_cls):
                 raise reject(name, getattr(self, name), f"a {section_cls.__name__}")
-
-    @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> LLMConfig:
-        """Build from flat keywords (vLLM's ``LLM(model=..., max_model_len=...)`` form)."""
-        parts: dict[str, dict[str, Any]] = {}
-        for part, part_cls in _SECTIONS.items():
-            names = {f.name for f in dataclasses.fields(part_cls)}
-            parts[part] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-        trace = kwargs.pop("trace", None)
-        if kwargs:
-            allowed = sorted(f.name for c in _SECTIONS.values() for f in dataclasses.fields(c)) + ["trace"]
-            raise TypeError(f"unknown keyword(s) {sorted(kwargs)} for LLM; allowed: {allowed}")
-        return cls(
-            model_config=ModelConfig(model=model, **parts["model_config"]),
-            scheduler_config=SchedulerConfig(**parts["scheduler_config"]),
-            cache_config=CacheConfig(**parts["cache_config"]),
-            trace=trace,
-        )
 
 
 _SECTIONS = {"model_config": ModelConfig, "scheduler_config": SchedulerConfig, "cache_config": CacheConfig}

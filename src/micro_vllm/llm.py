@@ -13,8 +13,12 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from micro_vllm.config import LLMConfig
-from micro_vllm.engine.engine import Engine, PromptType
+from micro_vllm.engine.arg_utils import engine_args_from_kwargs
+from micro_vllm.engine.engine import LLMEngine, PromptType
 from micro_vllm.engine.output import RequestOutput
+from micro_vllm.metrics.loggers import PrometheusStatLogger
+from micro_vllm.metrics.reader import Metric, get_metrics_snapshot
+from micro_vllm.metrics.stats import IterationStats
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.validation import reject, short_repr
 
@@ -22,24 +26,32 @@ from micro_vllm.validation import reject, short_repr
 class LLM:
     """Generate text with a model, vLLM style.
 
-    ``LLM(LLMConfig(...))`` or ``LLM(model=path, max_model_len=..., block_size=..., ...)`` (the model
-    may also come first, unnamed), where every field of ``ModelConfig``, ``SchedulerConfig`` and
-    ``CacheConfig`` can be given by name.
+    ``LLM(model=path, max_model_len=..., block_size=..., ...)`` takes every ``EngineArgs`` setting
+    by name (the model may also come first, unnamed; none: the default model), or ``LLM(LLMConfig(...))``
+    the grouped configs. ``disable_log_stats=False`` records the metrics ``get_metrics()`` returns
+    (off by default, as in vLLM's ``LLM``).
+
+    ``seed`` seeds the engine's own random generators (the sampler's, and dummy weights'), never the
+    global ones of Python's ``random``, numpy or torch: vLLM seeds those in its worker process, which
+    in vLLM's default multiprocessing mode is not the user's, whereas this engine runs in the caller's
+    process, where reseeding them would change the caller's own random streams. Sampling with a seed
+    is reproducible without them: an unseeded request draws from the engine's generator, and a
+    ``SamplingParams.seed`` gives a request its own.
     """
 
-    def __init__(self, config: LLMConfig | str | None = None, *, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: LLMConfig | str | None = None, *, model: str | None = None,
+                 disable_log_stats: bool = True, **kwargs: Any) -> None:
         if isinstance(config, str) and model is None:  # LLM("path/or/hub-id", ...), as in vLLM
             config, model = None, config
         if config is None:
-            if model is None:
-                raise TypeError("LLM needs an LLMConfig or model=...")
-            config = LLMConfig.from_kwargs(model, **kwargs)
+            config = engine_args_from_kwargs("LLM", {"model": model, **kwargs}).create_engine_config()
         elif not isinstance(config, LLMConfig):
             raise reject("config", config, "an LLMConfig or a model path (str)", TypeError)
         elif model is not None or kwargs:
             raise TypeError("give LLM either an LLMConfig or keywords, not both")
         self.config = config
-        self.engine: Engine | None = Engine(config)
+        self.engine: LLMEngine | None = LLMEngine(config)
+        self.stat_logger = None if disable_log_stats else PrometheusStatLogger(config.model_config.model)
         self._request_counter = itertools.count()
         # One generate() at a time: calls from several threads wait for each other.
         self._generate_lock = threading.Lock()
@@ -59,6 +71,26 @@ class LLM:
         """vLLM's name for ``tokenizer``."""
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` and ``chat`` use when given none, as vLLM's
+        ``generation_config="auto"`` makes them: ``SamplingParams()`` with the fields the model's
+        ``generation_config.json`` sets among temperature, top_p, top_k, min_p, repetition_penalty and
+        max_new_tokens (as max_tokens). ``generation_config="vllm"`` leaves ``SamplingParams()``'s own."""
+        return SamplingParams(**self._engine().default_sampling_overrides)
+
+    def get_metrics(self) -> list[Metric]:
+        """The metrics recorded so far, as vLLM's metrics reader gives them (``micro_vllm.metrics.reader``:
+        ``Counter``, ``Gauge`` and ``Histogram``, under vLLM's ``vllm:`` names): the scheduler's
+        figures at every step (requests running and waiting, KV cache usage, prefix cache queries and
+        hits, preemptions) and each finished sequence's (finish reason, prompt and generated tokens,
+        end-to-end latency). ``generate`` sees a request only once it has finished, so the histograms
+        of time to first token, inter-token latency and time per output token stay empty here.
+
+        Needs ``LLM(..., disable_log_stats=False)``: as in vLLM, an ``LLM`` records no metrics by default."""
+        if self.stat_logger is None:
+            raise RuntimeError("this LLM records no metrics; build it with disable_log_stats=False to use get_metrics()")
+        return get_metrics_snapshot(self.stat_logger.registry)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -66,7 +98,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order, each holding its
-        ``SamplingParams.n`` sequences by index.
+        ``SamplingParams.n`` sequences by index. Without ``sampling_params``, every prompt takes
+        ``get_default_sampling_params()``.
 
         All prompts are checked before any is queued, so a bad one raises without touching the others.
         If anything raises once they run (an error in a step, a KeyboardInterrupt, ``shutdown()``
@@ -92,12 +125,15 @@ class LLM:
                 if self._shutdown_requested:
                     self._close()
 
-    def _generate(self, engine: Engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, engine: LLMEngine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         requests = [engine.make_request(str(next(self._request_counter)), p, sp) for p, sp in zip(prompts, params)]
+        arrival_time = time.monotonic()
         for request in requests:
-            engine.add_request(request)
+            engine.add_request(request.request_id, request)
         order = {r.request_id: i for i, r in enumerate(requests)}
         with self._abort_lock:
             self._in_flight = set(order)
@@ -109,10 +145,14 @@ class LLM:
                 if self._shutdown_requested:
                     raise RuntimeError("LLM.shutdown() was called while generate() ran; its requests were aborted")
                 outputs = self._apply_aborts(engine)
+                scheduler_stats = None
                 if engine.has_unfinished_requests():
                     outputs += engine.step()
-                    prefill_tokens += engine.last_step_stats.num_prefill_tokens
-                    decode_tokens += engine.last_step_stats.num_decode_tokens
+                    scheduler_stats = engine.last_step_stats
+                    prefill_tokens += scheduler_stats.num_prefill_tokens
+                    decode_tokens += scheduler_stats.num_decode_tokens
+                if self.stat_logger is not None:
+                    self.stat_logger.record(scheduler_stats, _finished_stats(outputs, time.monotonic() - arrival_time))
                 for output in outputs:
                     results[order[output.request_id]] = output
                     bar.update(1)
@@ -121,6 +161,8 @@ class LLM:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, decode {decode_tokens / elapsed:.0f} tok/s",
                                     refresh=False)
+        if self.stat_logger is not None:  # the gauges as the engine is left: idle
+            self.stat_logger.record(engine.scheduler.make_stats(), None)
         return results
 
     def abort_request(self, request_id: str) -> bool:
@@ -159,15 +201,37 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations, rendered with the tokenizer's chat template."""
+        """Generate replies to conversations, each rendered with a chat template (vLLM's options):
+        ``chat_template`` (a Jinja template, as a string) or else the tokenizer's. The prompt ends
+        with the start of an assistant turn (``add_generation_prompt``), or, with
+        ``continue_final_message`` (and ``add_generation_prompt=False``), with the last message left
+        open, so that the reply continues it. ``chat_template_kwargs`` are more variables for the
+        template (such as Qwen3's ``enable_thinking``)."""
         conversations = _as_conversations(messages)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message=True is not allowed with add_generation_prompt=True: the reply "
+                             "either continues the last message or starts a new one; pass add_generation_prompt=False")
+        if chat_template_kwargs is not None and not (
+            isinstance(chat_template_kwargs, dict) and all(isinstance(key, str) for key in chat_template_kwargs)
+        ):
+            raise reject("chat_template_kwargs", chat_template_kwargs, "None or a dict with string keys", TypeError)
         tokenizer = self.tokenizer
-        if tokenizer is None or not tokenizer.chat_template:
-            raise ValueError("this model has no chat template; use generate() with plain prompts")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer to render a chat; use generate() with token ids")
+        if chat_template is None and not tokenizer.chat_template:
+            raise ValueError("this model has no chat template; pass chat_template=... or use generate()")
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
+            )
             # The template already holds any special tokens: encoding must not add them again.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -188,11 +252,11 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _apply_aborts(self, engine: Engine) -> list[RequestOutput]:
+    def _apply_aborts(self, engine: LLMEngine) -> list[RequestOutput]:
         """Abort what abort_request queued since the last step; return those requests' outputs."""
         with self._abort_lock:
             aborts, self._pending_aborts = self._pending_aborts, []
-        return [out for out in map(engine.abort_request, aborts) if out is not None]
+        return engine.abort_request(aborts)
 
     def _inside_generate(self) -> bool:
         """Whether this thread runs ``generate`` (and calls in from a callback)."""
@@ -203,10 +267,21 @@ class LLM:
             self.engine.shutdown()
             self.engine = None
 
-    def _engine(self) -> Engine:
+    def _engine(self) -> LLMEngine:
         if self.engine is None or self._shutdown_requested:
             raise RuntimeError("this LLM was shut down")
         return self.engine
+
+
+def _finished_stats(outputs: list[RequestOutput], e2e_latency: float) -> IterationStats:
+    """The finished outputs of one step as the metrics count them: each sequence as a request of its
+    own (vLLM runs a request with ``n > 1`` as ``n``), ``e2e_latency`` seconds after it arrived."""
+    stats = IterationStats()
+    for output in outputs:
+        for completion in output.outputs:
+            stats.update_from_finished(completion.finish_reason, len(output.prompt_token_ids),
+                                       len(completion.token_ids), e2e_latency)
+    return stats
 
 
 _PROMPTS = "a prompt (a string, a list of token ids, or a dict) or a list of prompts"
@@ -229,8 +304,6 @@ def _as_prompt_list(prompts) -> list[PromptType]:
 def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
     """One SamplingParams per prompt, each with ``output_kind=FINAL_ONLY`` (as in vLLM's
     ``LLM.generate``: it returns finished outputs only, so nothing needs streaming)."""
-    if sampling_params is None:
-        return [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)] * n
     if isinstance(sampling_params, SamplingParams):
         return [_final_only(sampling_params)] * n
     if isinstance(sampling_params, Mapping) or not isinstance(sampling_params, Iterable):

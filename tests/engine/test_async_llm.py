@@ -8,7 +8,7 @@ import time
 import pytest
 
 from micro_vllm import LLM, SamplingParams
-from micro_vllm.config import LLMConfig
+from micro_vllm.engine.arg_utils import AsyncEngineArgs
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
 
@@ -32,7 +32,7 @@ def model(tmp_path_factory):
 
 def start_engine(model):
     logger = RecordingLogger()
-    engine = AsyncLLM(LLMConfig.from_kwargs(model, **KWARGS), stat_loggers=[logger])
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **KWARGS), stat_loggers=[logger])
     engine.logger = logger
     return engine
 

@@ -38,7 +38,7 @@ def test_engine_uses_exactly_the_executor_interface(tmp_path, monkeypatch: pytes
     [output] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 4
     # A step whose results are dropped: what a failed step leaves, and what reset_batch is for.
-    engine.add_request(engine.make_request("dropped", [5, 6, 7], SamplingParams(max_tokens=4)))
+    engine.add_request("dropped", [5, 6, 7], SamplingParams(max_tokens=4))
     engine.step()
     engine.abort_all_requests()
     llm.shutdown()

@@ -162,7 +162,7 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(budget, model_dirs):
 def _stream(engine, prompts, params):
     """Every output ``Engine.step`` gives for the prompts, per request, until all finish."""
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(engine.make_request(f"s{i}", prompt, p))
+        engine.add_request(f"s{i}", prompt, p)
     outputs = {f"s{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -205,11 +205,11 @@ def test_streamed_outputs_through_the_engine(model_dirs):
     assert [o.outputs[0].token_ids for o in cumulative] == [tokens[:i] for i in range(1, 7)]
     assert [o.outputs[0].finish_reason for o in cumulative] == [None] * 5 + ["length"]
 
-    engine.add_request(engine.make_request("aborted", PROMPTS[0], params[1]))
+    engine.add_request("aborted", PROMPTS[0], params[1])
     streamed = []
     while len(streamed) < 2:
         streamed += engine.step()
-    last = engine.abort_request("aborted")
+    [last] = engine.abort_request("aborted")
     assert last.finished and last.outputs[0].finish_reason == "abort" and not any(o.finished for o in streamed)
     assert [t for o in streamed + [last] for t in o.outputs[0].token_ids] == tokens[:len(streamed)]
     check_all_free(engine.scheduler)

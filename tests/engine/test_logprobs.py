@@ -106,7 +106,7 @@ def test_delta_outputs_give_each_position_once(model_dir, reference):
     with make_llm(model_dir) as llm:
         engine = llm.engine
         for kind, params in kinds.items():
-            engine.add_request(engine.make_request(kind.name, PROMPTS[0], params))
+            engine.add_request(kind.name, PROMPTS[0], params)
         streamed = {kind.name: [] for kind in kinds}
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -184,7 +184,7 @@ def test_preempted_after_its_last_prompt_chunk_before_its_first_token(model_dir,
     params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, output_kind=RequestOutputKind.FINAL_ONLY)
     with make_llm(model_dir, async_scheduling=False) as llm:
         engine, scheduler = llm.engine, llm.engine.scheduler
-        engine.add_request(engine.make_request("r", PROMPTS[0][:9], params))
+        engine.add_request("r", PROMPTS[0][:9], params)
         assert engine.step() == [] and scheduler.requests["r"].num_computed_tokens == 8
         request = scheduler.running.pop()
         scheduler._preempt(request)

@@ -43,7 +43,7 @@ def streamed(llm):
         "delta_stop": greedy(output_kind=RequestOutputKind.DELTA, stop=STREAMED_STOP),
     }
     for name, params in kinds.items():
-        engine.add_request(engine.make_request(name, PROMPT, params))
+        engine.add_request(name, PROMPT, params)
     outputs = {name: [] for name in kinds}
     while engine.has_unfinished_requests():
         for output in engine.step():

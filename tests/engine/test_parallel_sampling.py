@@ -40,7 +40,7 @@ def test_the_sequences_share_the_prompt_blocks_and_compute_it_once(model_dir, pr
     blocks and compute only the rest. With prefix caching off each computes the whole prompt."""
     engine = make_llm(model_dir, async_scheduling=async_scheduling, enable_prefix_caching=caching, **ROOMY).engine
     kv = engine.scheduler.kv_cache_manager
-    engine.add_request(engine.make_request("p", PROMPT[:prompt_len], replace(SEEDED, stop_token_ids=())))
+    engine.add_request("p", PROMPT[:prompt_len], replace(SEEDED, stop_token_ids=()))
     num_shared = (prompt_len - 1) // BLOCK_SIZE  # a hit never covers the last token
     prefill, compared = 0, False
     while engine.has_unfinished_requests():
@@ -72,7 +72,7 @@ def test_each_output_kind_gives_one_output_per_step_with_the_sequences_alone_res
     model_dir, alone, kind, async_scheduling
 ):
     engine = make_llm(model_dir, async_scheduling=async_scheduling, **ROOMY).engine
-    engine.add_request(engine.make_request("p", PROMPT, replace(SEEDED, output_kind=kind)))
+    engine.add_request("p", PROMPT, replace(SEEDED, output_kind=kind))
     steps = []
     while engine.has_unfinished_requests():
         steps.append(engine.step())
@@ -122,22 +122,22 @@ def test_generate_returns_each_prompts_sequences_in_order_and_greedy_ones_are_tr
 def test_abort_ends_every_sequence_of_the_request(model_dir):
     engine = make_llm(model_dir, **ROOMY).engine
     long = replace(SEEDED, stop_token_ids=(), max_tokens=20)
-    engine.add_request(engine.make_request("waiting", PROMPT, replace(long, output_kind=RequestOutputKind.FINAL_ONLY)))
-    engine.add_request(engine.make_request("running", PROMPT, long))
-    engine.add_request(engine.make_request("other", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)))
-    waiting = engine.abort_request("waiting")
+    engine.add_request("waiting", PROMPT, replace(long, output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("running", PROMPT, long)
+    engine.add_request("other", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    [waiting] = engine.abort_request("waiting")
     assert waiting.finished and [(c.index, c.token_ids, c.finish_reason) for c in waiting.outputs] == [
         (i, [], "abort") for i in range(N)]
     for _ in range(4):
         engine.step()
     kv = engine.scheduler.kv_cache_manager
     free_before = kv.num_free_blocks
-    running = engine.abort_request("running")
+    [running] = engine.abort_request(["running"])  # vLLM passes a list of ids
     assert running.request_id == "running" and running.finished
     assert [c.index for c in running.outputs] == list(range(N))
     assert all(c.finish_reason == "abort" and c.token_ids for c in running.outputs)
     assert kv.num_free_blocks > free_before
-    assert engine.abort_request("running") is None
+    assert engine.abort_request("running") == []
     later = []
     while engine.has_unfinished_requests():
         later += engine.step()
@@ -148,10 +148,10 @@ def test_abort_ends_every_sequence_of_the_request(model_dir):
 
 def test_ids_in_use_are_refused(model_dir):
     engine = make_llm(model_dir).engine
-    engine.add_request(engine.make_request("p", PROMPT, SEEDED))
+    engine.add_request("p", PROMPT, SEEDED)
     for request_id, n in (("p", 1), ("p", 2), ("1_p", 1)):
         with pytest.raises(ValueError, match=f"request_id='{request_id}' is already in use"):
-            engine.add_request(engine.make_request(request_id, [1, 2], replace(SEEDED, n=n)))
+            engine.add_request(request_id, [1, 2], replace(SEEDED, n=n))
     engine.abort_all_requests()
 
 
@@ -190,7 +190,7 @@ def test_prompt_logprobs_come_once_per_request(model_dir, kind):
     samples first), CUMULATIVE ones every time, always the whole prompt's."""
     engine = make_llm(model_dir, **ROOMY).engine
     params = replace(SEEDED, output_kind=kind, prompt_logprobs=2, logprobs=1)
-    engine.add_request(engine.make_request("p", PROMPT, params))
+    engine.add_request("p", PROMPT, params)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

@@ -5,7 +5,7 @@ import asyncio
 
 import httpx
 
-from micro_vllm.config import LLMConfig
+from micro_vllm.engine.arg_utils import AsyncEngineArgs
 from micro_vllm.engine.async_llm import AsyncLLM
 from micro_vllm.entrypoints.openai.api_server import build_app
 from micro_vllm.metrics.loggers import PrometheusStatLogger
@@ -13,9 +13,9 @@ from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
 
 
 def test_a_dead_engine_loop_fails_requests_and_health(tmp_path):
-    config = LLMConfig.from_kwargs(str(make_tiny_model("llama", tmp_path)), device="cpu", max_model_len=64)
+    engine_args = AsyncEngineArgs(model=str(make_tiny_model("llama", tmp_path)), device="cpu", max_model_len=64)
     logger = PrometheusStatLogger("tiny")
-    engine = AsyncLLM(config, stat_loggers=[logger])
+    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[logger])
 
     killed = []
 

@@ -282,11 +282,12 @@ def test_abort_and_a_failed_step_drop_the_grammars(llm, decoded, monkeypatch):
     engine = llm.engine
     aborted_prompt = SHORT[0][0]
     for prompt, params in SHORT:
-        engine.add_request(engine.make_request(prompt, chat_prompt_ids(engine.tokenizer, prompt), params))
+        engine.add_request(prompt, chat_prompt_ids(engine.tokenizer, prompt), params)
     finished = {}
     for step in itertools.count():
         if step == 2:
-            assert engine.abort_request(aborted_prompt).outputs[0].finish_reason == "abort"
+            [aborted] = engine.abort_request(aborted_prompt)
+            assert aborted.outputs[0].finish_reason == "abort"
         finished.update((output.request_id, output.outputs[0].text) for output in engine.step() if output.finished)
         if not engine.has_unfinished_requests():
             break

@@ -109,7 +109,7 @@ def test_fetched_tokens_reach_the_persistent_batch_at_the_next_step(tmp_path):
         runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 5)]
         for i, (prompt, p) in enumerate(zip(([1, 2, 3], [4, 5, 6, 7]), params)):
-            engine.add_request(engine.make_request(str(i), prompt, p))
+            engine.add_request(str(i), prompt, p)
         output = runner.execute_model(scheduler.schedule()).get_output()
         batch = runner.input_batch
         row = batch.row_of["1"]
@@ -207,9 +207,9 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
             layer.kv_cache.normal_()
             layer.kv_cache[:, 0].zero_()
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-        engine.add_request(engine.make_request("0", [1, 2, 3, 4, 5], params))
+        engine.add_request("0", [1, 2, 3, 4, 5], params)
         scheduler.update_from_output(runner.execute_model(scheduler.schedule()).get_output())
-        engine.add_request(engine.make_request("1", list(range(10, 19)), params))
+        engine.add_request("1", list(range(10, 19)), params)
         plan = scheduler.schedule()
         assert list(plan.num_scheduled_tokens.values()) == [1, 9]
         runner.apply_fetched_outputs()
@@ -266,7 +266,7 @@ def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_p
 
         def add(req_id, prompt, max_tokens, temperature):
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
-            engine.add_request(engine.make_request(req_id, prompt, params))
+            engine.add_request(req_id, prompt, params)
 
         def step():
             output = runner.execute_model(scheduler.schedule()).get_output()

@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 
 from micro_vllm.config import LLMConfig
+from micro_vllm.engine.arg_utils import AsyncEngineArgs
 from micro_vllm.engine.core_proc import run_engine_core
 from micro_vllm.engine.engine import PromptType
 from micro_vllm.engine.exceptions import EngineDeadError
@@ -111,6 +112,11 @@ class AsyncLLM:
         self._dead_error: BaseException | None = None
         self._reader = threading.Thread(target=self._read_outputs, name="micro-vllm-outputs", daemon=True)
         self._reader.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, stat_loggers: Iterable = ()) -> AsyncLLM:
+        """vLLM's way to build it: from flat settings (``AsyncEngineArgs``)."""
+        return cls(engine_args.create_engine_config(), stat_loggers)
 
     # -- the caller's side (any event loop) ----------------------------------------------------
 

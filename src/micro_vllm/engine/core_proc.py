@@ -1,6 +1,6 @@
 """The engine's own process for ``AsyncLLM`` (vLLM's ``EngineCoreProc``): the step loop, fed over a pipe.
 
-It owns an ``Engine`` and runs it as the offline loop does: between steps it applies the requests and
+It owns an ``LLMEngine`` and runs it as the offline loop does: between steps it applies the requests and
 aborts that have come in, steps while anything is unfinished, and blocks on the pipe when idle. What it
 sends back, in order, one message each:
 
@@ -20,7 +20,7 @@ import signal
 from multiprocessing.connection import Connection
 
 from micro_vllm.config import LLMConfig
-from micro_vllm.engine.engine import Engine
+from micro_vllm.engine.engine import LLMEngine
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.engine.output import RequestOutput
 
@@ -30,7 +30,7 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
     # A Ctrl-C reaches the whole process group; the server, not the signal, decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        engine = Engine(config)
+        engine = LLMEngine(config)
     except BaseException as error:  # noqa: BLE001 - the caller of AsyncLLM() gets it
         conn.send(("dead", _picklable(error)))
         return
@@ -42,7 +42,7 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
 
 
 class EngineCoreProc:
-    def __init__(self, engine: Engine, conn: Connection) -> None:
+    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
         self.announced: set[str] = set()  # requests whose prompt has gone out with an output
@@ -87,14 +87,14 @@ class EngineCoreProc:
 
     def _add(self, request_id: str, prompt, params) -> None:
         try:
-            self.engine.add_request(self.engine.make_request(request_id, prompt, params))
+            self.engine.add_request(request_id, prompt, params)
         except (ValueError, TypeError) as error:
             self.conn.send(("refused", request_id, _picklable(error)))
 
     def _abort(self, request_id: str) -> None:
-        output = self.engine.abort_request(request_id)
-        if output is not None:
-            self.conn.send(("outputs", self._compact([output]), None))
+        outputs = self.engine.abort_request(request_id)
+        if outputs:
+            self.conn.send(("outputs", self._compact(outputs), None))
 
     def _compact(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Send a request's prompt with its first output only: the other side keeps it from there."""

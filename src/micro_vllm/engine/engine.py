@@ -1,6 +1,6 @@
 """The request lifecycle: validate and tokenize, add, step, abort; outputs through the OutputProcessor.
 
-The Engine wires the layers together once (model, KV cache sizing, scheduler) and then runs the
+The ``LLMEngine`` wires the layers together once (model, KV cache sizing, scheduler) and then runs the
 step loop: plan -> execute -> update. It owns no scheduling or device logic itself.
 
 With async scheduling (the default) each step launches its plan and then applies the results of the
@@ -34,7 +34,7 @@ from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
 from micro_vllm.metrics.stats import SchedulerStats
-from micro_vllm.model_loader.checkpoint import load_hf_config, resolve_model_path
+from micro_vllm.model_loader.checkpoint import default_sampling_overrides, load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from micro_vllm.sampling.params import SamplingParams, bad_words_token_ids
@@ -44,23 +44,29 @@ from micro_vllm.trace.tracer import Tracer, resolve_trace
 from micro_vllm.validation import is_int, reject, short_repr
 
 if TYPE_CHECKING:
+    from micro_vllm.engine.arg_utils import EngineArgs
     from micro_vllm.structured_output.manager import StructuredOutputManager
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
-class Engine:
+class LLMEngine:
+    """vLLM's ``LLMEngine``: ``add_request(request_id, prompt, params)``, then ``step()`` while
+    ``has_unfinished_requests()``, each step returning the ``RequestOutput``s it made."""
+
     def __init__(self, config: LLMConfig) -> None:
         self.config = config
         trace_config = resolve_trace(config.trace)  # a bad trace setting fails before any loading
         model_config = config.model_config
         path = resolve_model_path(model_config.model)
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, model_config.hf_overrides)
         get_model_class(hf_config)  # fail on an unsupported architecture before loading anything
         self.max_model_len = _resolve_max_model_len(config, hf_config)
         self.vocab_size = hf_config.vocab_size
         self.tokenizer = load_tokenizer(path, model_config.tokenizer)
         self.eos_token_ids = _eos_token_ids(path, hf_config, self.tokenizer)
+        # The SamplingParams fields the model recommends (LLM.get_default_sampling_params).
+        self.default_sampling_overrides = default_sampling_overrides(path, model_config.generation_config)
 
         self.executor: Executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
         groups = make_kv_cache_groups(self.executor.get_attention_specs())
@@ -92,10 +98,17 @@ class Engine:
         gc.collect()
         gc.freeze()
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's way to build the engine: from flat settings (``EngineArgs``)."""
+        return cls(engine_args.create_engine_config())
+
     # -- requests ------------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
         """Validate and tokenize one prompt; raises before anything is queued."""
+        if not isinstance(request_id, str):
+            raise reject("request_id", request_id, "a string", TypeError)
         if not isinstance(params, SamplingParams):
             raise reject("sampling_params", params, "a SamplingParams", TypeError)
         text, token_ids = self._tokenize(prompt)
@@ -120,9 +133,17 @@ class Engine:
         self.prompts[request_id] = text
         return request
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request from ``make_request``; one with ``n > 1`` runs as ``n`` child requests
-        (``parallel_sampling.py``) that give one output together."""
+    def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None) -> None:
+        """Queue a prompt (vLLM's signature), or a request ``make_request`` made from one (checked
+        before anything was queued; ``params`` is then the request's own and may be left out). One
+        with ``n > 1`` runs as ``n`` child requests (``parallel_sampling.py``) that give one output
+        together."""
+        if not isinstance(prompt, Request):
+            prompt = self.make_request(request_id, prompt, params)
+        elif prompt.request_id != request_id:
+            raise ValueError(f"request_id={request_id!r} is not the id of the request it was made with "
+                             f"({prompt.request_id!r})")
+        request = prompt
         self._finish_rollback()
         parent = ParentRequest(request) if request.sampling_params.n > 1 else None
         requests = parent.children if parent is not None else [request]
@@ -137,20 +158,29 @@ class Engine:
             self.output_processor.add_request(child, prompt, parent, index)
             self.scheduler.add_request(child)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a request (all the sequences of one with ``n > 1``) wherever it is and free its
-        blocks; others are untouched."""
-        parent = self.output_processor.parent_requests.get(request_id)
-        request_ids = [child.request_id for child in parent.children] if parent is not None else [request_id]
-        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        if not aborted:
-            return None
-        if self.tracer is not None:
-            self.tracer.record_abort(request_id, self.scheduler.make_stats())
-        return self.output_processor.gather(self.output_processor.finish(aborted))[0]
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Finish requests (one id, or several as vLLM passes them) wherever they are and free their
+        blocks; a request with ``n > 1`` with all its sequences. Returns the final outputs
+        (``finish_reason="abort"``) of those that were unfinished; unknown or finished ids are skipped,
+        and other requests are untouched."""
+        outputs = []
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self.output_processor.parent_requests.get(request_id)
+            children = [child.request_id for child in parent.children] if parent is not None else [request_id]
+            aborted = self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            if not aborted:
+                continue
+            if self.tracer is not None:
+                self.tracer.record_abort(request_id, self.scheduler.make_stats())
+            outputs += self.output_processor.gather(self.output_processor.finish(aborted))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's name); None for a model without one."""
+        return self.tokenizer
 
     @property
     def last_step_stats(self) -> SchedulerStats:

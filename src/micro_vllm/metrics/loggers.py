@@ -70,7 +70,8 @@ class PrometheusStatLogger:
             self.inter_token_latency.observe(seconds)
         for finished in iteration_stats.finished_requests:
             self.e2e_latency.observe(finished.e2e_latency)
-            self.time_per_output_token.observe(finished.mean_time_per_output_token)
+            if finished.mean_time_per_output_token is not None:
+                self.time_per_output_token.observe(finished.mean_time_per_output_token)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
             self._request_success.labels(**self._labels, finished_reason=finished.finish_reason).inc()

@@ -66,7 +66,9 @@ class FinishedRequestStats:
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
-    mean_time_per_output_token: float  # from the first token to the last; 0 for a single token
+    # From the first token to the last; 0 for a single token; None where the tokens' times were not
+    # seen (the offline LLM sees a request only once it has finished).
+    mean_time_per_output_token: float | None
 
 
 @dataclass
@@ -100,3 +102,15 @@ class IterationStats:
                 num_prompt_tokens=num_prompt_tokens, num_generation_tokens=state.num_generation_tokens,
                 mean_time_per_output_token=decode_time / decode_tokens if decode_tokens > 0 else 0.0,
             ))
+
+    def update_from_finished(self, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int,
+                             e2e_latency: float) -> None:
+        """Count a request seen only once it has finished (the offline ``LLM.generate``): its tokens
+        and its latency from arrival to the end. Its tokens' own times were not seen, so it adds no
+        time to first token, inter-token latency or time per output token."""
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_generation_tokens += num_generation_tokens
+        self.finished_requests.append(FinishedRequestStats(
+            finish_reason=finish_reason, e2e_latency=e2e_latency, num_prompt_tokens=num_prompt_tokens,
+            num_generation_tokens=num_generation_tokens, mean_time_per_output_token=None,
+        ))

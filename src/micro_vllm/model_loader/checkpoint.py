@@ -2,7 +2,9 @@
 
 Weights come only from ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.json``)
 and are copied tensor by tensor into a model already built on the device, so peak host memory stays
-near one tensor.
+near one tensor. ``load_format="dummy"`` (vLLM's) fills the model with random weights instead. The
+model's ``generation_config.json`` also gives the default sampling parameters
+(``default_sampling_overrides``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -48,10 +51,46 @@ def resolve_model_path(model: str) -> Path:
         ) from error
 
 
-def load_hf_config(path: Path) -> PretrainedConfig:
+HFOverrides = dict[str, Any] | Callable[[PretrainedConfig], PretrainedConfig] | None
+
+
+def load_hf_config(path: Path, hf_overrides: HFOverrides = None) -> PretrainedConfig:
+    """The model's Hugging Face config, with vLLM's ``hf_overrides`` applied: a dict's entries set as
+    attributes, or a function's returned config."""
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; is it a Hugging Face model directory?")
-    return AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
+    if isinstance(hf_overrides, dict):
+        config.update(hf_overrides)
+    elif hf_overrides is not None:
+        config = hf_overrides(config)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"hf_overrides={hf_overrides!r} returned {type(config).__name__}; it must return a "
+                            "transformers PretrainedConfig")
+    return config
+
+
+# The generation_config.json fields that vLLM's generation_config="auto" takes as default sampling
+# parameters, under their SamplingParams names.
+_GENERATION_DEFAULTS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
+                        "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_overrides(path: Path, generation_config: str) -> dict[str, Any]:
+    """The SamplingParams fields the model's creator recommends, as vLLM reads them: from
+    ``generation_config.json`` in the model directory ("auto") or in the directory named, none for
+    "vllm". Fields the file leaves out (or sets to null) keep SamplingParams' defaults."""
+    if generation_config == "vllm":
+        return {}
+    directory = Path(path) if generation_config == "auto" else Path(generation_config).expanduser()
+    if generation_config != "auto" and not directory.is_dir():
+        raise ValueError(f"generation_config={generation_config!r} is not allowed; it must be 'auto', 'vllm' or a "
+                         "directory holding a generation_config.json")
+    file = directory / "generation_config.json"
+    if not file.is_file():
+        return {}
+    values = json.loads(file.read_text())
+    return {ours: values[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
 
 
 def load_model(
@@ -60,15 +99,44 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     custom_ops: frozenset[str] = frozenset(),
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> nn.Module:
-    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``path``; the
-    layer ops named in ``custom_ops`` (``resolve_custom_ops``) run their Triton kernels, and on CPU the
-    linear layers' weights are laid out for oneDNN once loaded."""
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``path`` (or, with
+    ``load_format="dummy"``, with random weights drawn from ``seed``); the layer ops named in
+    ``custom_ops`` (``resolve_custom_ops``) run their Triton kernels, and on CPU the linear layers'
+    weights are laid out for oneDNN once loaded."""
     model_class = get_model_class(hf_config)
-    files = safetensors_files(Path(path))
+    files = [] if load_format == "dummy" else safetensors_files(Path(path))
     with torch.device(device), _default_dtype(dtype):
         model = model_class(hf_config)
     set_custom_ops(model, custom_ops)
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        _load_checkpoint(model, files)
+    process_weights_after_loading(model)
+    return model.eval()
+
+
+# The range vLLM draws its dummy weights from.
+_DUMMY_WEIGHT_RANGE = 1e-3
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter uniformly in [-1e-3, 1e-3] from a generator of its own device seeded with
+    ``seed``: the same seed on the same kind of device gives the same weights, and torch's global
+    random state is not touched."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generators[param.device])
+
+
+def _load_checkpoint(model: nn.Module, files: list[Path]) -> None:
+    """Stream the checkpoint's tensors into the model; every parameter must get its weights."""
     checkpoint_names: dict[str, Path] = {}  # each tensor read so far -> its file, in reading order
     try:
         loaded = model.load_weights(_stream(files, checkpoint_names))
@@ -79,8 +147,6 @@ def load_model(
         detail = str(error) if name in str(error) else f"{name}: {error}"
         raise ValueError(f"{checkpoint_names[name]}: {detail}") from error
     _check_complete(model, loaded, set(checkpoint_names))
-    process_weights_after_loading(model)
-    return model.eval()
 
 
 def safetensors_files(path: Path) -> list[Path]:

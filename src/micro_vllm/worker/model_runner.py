@@ -48,6 +48,7 @@ class RunnerSettings:
     block_size: int
     seed: int
     use_cuda_graphs: bool
+    load_format: str = "auto"  # ModelConfig.load_format: "dummy" builds the model with random weights
 
 
 class DeviceStepOutput(AsyncModelRunnerOutput):
@@ -169,7 +170,8 @@ class ModelRunner:
         # Building the modules draws their initial weights (overwritten by the checkpoint) from
         # torch's global RNG: the caller's RNG state must not change.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self.model = load_model(model_path, hf_config, settings.dtype, settings.device, settings.custom_ops)
+            self.model = load_model(model_path, hf_config, settings.dtype, settings.device, settings.custom_ops,
+                                    settings.load_format, settings.seed)
         self.attn_backend = get_backend_cls(settings.attention_backend)()
         for layer in self.model.attention_layers():
             layer.backend = self.attn_backend

@@ -100,6 +100,7 @@ class Worker:
             block_size=config.cache_config.block_size,
             seed=model_config.seed,
             use_cuda_graphs=use_graphs,
+            load_format=model_config.load_format,
         )
         self.model_runner = ModelRunner(self.settings, model_path, hf_config)
 
