@@ -2,7 +2,8 @@
 
 Weights come only from ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.json``)
 and are copied tensor by tensor into a model already built on the device, so peak host memory stays
-near one tensor.
+near one tensor. Streamed ``lazy``, the tensors come as safetensors slices, from which a
+tensor-parallel rank's ``weight_loader`` reads only its part (``weight_utils.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -71,7 +73,7 @@ def load_model(
     set_custom_ops(model, custom_ops)
     checkpoint_names: dict[str, Path] = {}  # each tensor read so far -> its file, in reading order
     try:
-        loaded = model.load_weights(_stream(files, checkpoint_names))
+        loaded = model.load_weights(stream_weights(files, checkpoint_names))
     except ValueError as error:  # a tensor the model cannot take (a wrong shape): name it and its file
         if not checkpoint_names:
             raise
@@ -98,13 +100,16 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _stream(files: list[Path], seen: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_weights(files: list[Path], seen: dict[str, Path], lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Each checkpoint tensor of ``files`` with its name, recording in ``seen`` the file it came from:
+    read whole, or with ``lazy`` as a safetensors slice (``get_slice``) that reads what it is indexed
+    for: read it before asking for the next tensor."""
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     seen[name] = file
-                    yield name, reader.get_tensor(name)
+                    yield name, reader.get_slice(name) if lazy else reader.get_tensor(name)
         except (SafetensorError, OSError) as error:  # errors of the consumer never enter a generator
             raise OSError(f"{file} is not a readable safetensors file: {error}") from error
 
