@@ -157,6 +157,7 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+        self._dead = self._dead or RuntimeError("the executor was shut down")
 
     # -- messages
 
@@ -226,7 +227,7 @@ class MultiprocExecutor(Executor):
         raise self._dead_error()
 
     def _dead_error(self) -> EngineDeadError:
-        dead = EngineDeadError(f"a worker of the engine failed: {self._dead!r}")
+        dead = EngineDeadError(f"the engine's workers stopped: {self._dead!r}")
         dead.__cause__ = self._dead
         return dead
 
