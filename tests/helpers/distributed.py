@@ -12,6 +12,7 @@ Starting the processes is what costs: share one pool across tests, and start ano
 from __future__ import annotations
 
 import multiprocessing
+import os
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
@@ -85,3 +86,5 @@ def _serve(rank: int, world_size: int, address: str, conn: Connection) -> None:
             conn.send(("ok", fn(*args)))
         except BaseException:  # noqa: BLE001 - the test reports it
             conn.send(("error", traceback.format_exc()))
+    os._exit(0)  # skips the interpreter's teardown, seconds of unloading torch
+
