@@ -42,9 +42,10 @@ def load(param: torch.Tensor, tensor: torch.Tensor | None, shard_id=None) -> Non
         param.weight_loader(param, tensor, shard_id)
 
 
-def check_forward(layer: torch.nn.Module, case) -> None:
-    """``case(x)`` gives the layer's input for a whole input ``x`` and the output it must give; checked
-    for one row and several, then again with the weight laid out for oneDNN where that runs."""
+def check_forward(layer: torch.nn.Module, input_size: int, case) -> None:
+    """``case(x)`` gives the layer's input for a whole input ``x`` of ``input_size`` features and the
+    output it must give; checked for one row and several, then again with the weight laid out for
+    oneDNN where that runs."""
     for layout in ("plain", "onednn"):
         if layout == "onednn":
             if not onednn_runs(layer.weight):
@@ -52,9 +53,7 @@ def check_forward(layer: torch.nn.Module, case) -> None:
             process_weights_after_loading(layer)
             assert layer.weight.is_mkldnn
         for rows in (1, 5):
-            layer_input, expected = case(random(rows, layer.in_features * get_tp_group().world_size
-                                                if isinstance(layer, RowParallelLinear) else layer.in_features,
-                                                seed=rows))
+            layer_input, expected = case(random(rows, input_size, seed=rows))
             with torch.inference_mode():
                 torch.testing.assert_close(layer(layer_input), expected, atol=1e-5, rtol=1e-5)
 
@@ -68,7 +67,7 @@ def check_column_parallel(bias: bool, gather_output: bool) -> None:
     load(layer.weight, weight)
     load(layer.bias, b)
     assert layer.weight.shape == (12 // get_tp_group().world_size, HIDDEN)
-    check_forward(layer, lambda x: (x, F.linear(x, weight, b)[:, slice(None) if gather_output else rank_slice(12)]))
+    check_forward(layer, HIDDEN, lambda x: (x, F.linear(x, weight, b)[:, slice(None) if gather_output else rank_slice(12)]))
 
 
 def check_row_parallel(bias: bool) -> None:
@@ -76,7 +75,7 @@ def check_row_parallel(bias: bool) -> None:
     layer = RowParallelLinear(2 * HIDDEN, 12, bias=bias)
     load(layer.weight, weight)
     load(layer.bias, b)
-    check_forward(layer, lambda x: (x[:, rank_slice(2 * HIDDEN)], F.linear(x, weight, b)))
+    check_forward(layer, 2 * HIDDEN, lambda x: (x[:, rank_slice(2 * HIDDEN)], F.linear(x, weight, b)))
 
 
 def check_merged_column_parallel(bias: bool) -> None:
@@ -87,8 +86,8 @@ def check_merged_column_parallel(bias: bool) -> None:
         load(layer.weight, weight, index)
         load(layer.bias, b, index)
     rows = rank_slice(20)
-    check_forward(layer, lambda x: (x, torch.cat([F.linear(x, gate, gate_bias)[:, rows],
-                                                   F.linear(x, up, up_bias)[:, rows]], dim=-1)))
+    check_forward(layer, HIDDEN, lambda x: (x, torch.cat([F.linear(x, gate, gate_bias)[:, rows],
+                                                           F.linear(x, up, up_bias)[:, rows]], dim=-1)))
 
 
 def check_qkv_parallel(num_kv_heads: int, bias: bool) -> None:
@@ -110,7 +109,7 @@ def check_qkv_parallel(num_kv_heads: int, bias: bool) -> None:
         outputs = [F.linear(x, w, b) for w, b in zip((q, k, v), biases)]
         return x, torch.cat([outputs[0][:, q_rows], outputs[1][:, kv_rows], outputs[2][:, kv_rows]], dim=-1)
 
-    check_forward(layer, case)
+    check_forward(layer, HIDDEN, case)
 
 
 def edge_ids() -> torch.Tensor:
@@ -135,7 +134,7 @@ def check_parallel_lm_head(tied: bool) -> None:
     load((embedding or head).weight, table)
     if tied:
         assert head.weight is embedding.weight
-    check_forward(head, lambda x: (x, x @ table.T))
+    check_forward(head, HIDDEN, lambda x: (x, x @ table.T))
     if tied:  # the head's layout for oneDNN is its own copy: the embedding still reads the plain rows
         ids = edge_ids()
         assert torch.equal(embedding(ids), F.embedding(ids, table))
@@ -181,7 +180,8 @@ CHECKS = [
     pytest.param(check_merged_column_parallel, (bias,), id=f"merged-bias={bias}") for bias in (False, True)
 ] + [
     # 2 KV heads: one per rank (GQA); 1 KV head: fewer than the ranks, replicated.
-    pytest.param(check_qkv_parallel, (kv, bias), id=f"qkv-kv_heads={kv}-bias={bias}") for kv in (2, 1) for bias in (False, True)
+    pytest.param(check_qkv_parallel, (kv, bias), id=f"qkv-kv_heads={kv}-bias={bias}")
+    for kv in (2, 1) for bias in (False, True)
 ] + [
     pytest.param(check_vocab_parallel_embedding, (), id="vocab_embedding"),
     pytest.param(check_parallel_lm_head, (False,), id="lm_head"),

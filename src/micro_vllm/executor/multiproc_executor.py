@@ -115,7 +115,8 @@ class MultiprocExecutor(Executor):
         if config.model_config.device != "cpu" and torch.cuda.is_available() and world_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={world_size} needs as many CUDA devices; this machine has "
                              f"{torch.cuda.device_count()}")
-        context = multiprocessing.get_context("spawn")  # a forked child would inherit this process' threads and CUDA state
+        # Spawned: a forked child would inherit this process' threads and CUDA state.
+        context = multiprocessing.get_context("spawn")
         address = f"tcp://127.0.0.1:{get_open_port()}"
         num_threads = max(1, torch.get_num_threads() // world_size)  # the ranks share this process's CPU threads
         self.workers: list[WorkerProcHandle] = []

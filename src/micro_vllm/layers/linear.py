@@ -184,7 +184,8 @@ class RowParallelLinear(Linear):
         return self.tp_group.all_reduce(self.matmul(x, self.bias if self.adds_bias else None))
 
 
-def _split_evenly(sizes: dict[ShardId, int], tp_group: GroupCoordinator, name: str) -> list[tuple[ShardId, int, int, int]]:
+def _split_evenly(sizes: dict[ShardId, int], tp_group: GroupCoordinator,
+                  name: str) -> list[tuple[ShardId, int, int, int]]:
     """``ColumnParallelLinear._build``'s pieces for sizes split evenly over the ranks; ``name`` names
     the sizes in the error for one that does not split."""
     pieces = []

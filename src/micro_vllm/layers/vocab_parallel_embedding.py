@@ -27,6 +27,8 @@ def vocab_shard(num_embeddings: int, tp_group: GroupCoordinator) -> Shard:
 
 
 class VocabParallelEmbedding(nn.Module):
+    """The token embedding, each rank holding its rows of the vocabulary (``vocab_shard``)."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.tp_group = get_tp_group()
