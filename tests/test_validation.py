@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from micro_vllm import LLM, CacheConfig, LLMConfig, ModelConfig, SamplingParams, SchedulerConfig
-from micro_vllm.config import CUSTOM_OPS
+from micro_vllm.config import CUSTOM_OPS, ParallelConfig
 from micro_vllm.engine.arg_utils import EngineArgs
 from micro_vllm.sampling.params import MAX_N
 from micro_vllm.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX
@@ -80,9 +80,12 @@ BAD_CONFIG_VALUES = {
     (CacheConfig, "cpu_kv_cache_gib"): [0, -1, INF, NAN, "4", True],
     (CacheConfig, "enable_prefix_caching"): [1, None],
     (CacheConfig, "kv_cache_dtype"): ["fp16", "FP8", "fp8_e5m2", None, torch.float8_e4m3fn],
+    (ParallelConfig, "tensor_parallel_size"): [0, -1, True, 2.0, "2", None],
+    (ParallelConfig, "distributed_executor_backend"): ["ray", "MP", "", 5],
     (LLMConfig, "model_config"): ["m", None],
     (LLMConfig, "scheduler_config"): [{}],
     (LLMConfig, "cache_config"): [None],
+    (LLMConfig, "parallel_config"): [{"tensor_parallel_size": 2}],
 }
 REQUIRED = {ModelConfig: dict(model="m"), LLMConfig: dict(model_config=ModelConfig(model="m"))}
 NOT_CHECKED_HERE = {(LLMConfig, "trace")}  # resolved by the Engine (test_trace.py)
@@ -191,7 +194,7 @@ def test_numpy_values_are_taken_as_python_numbers():
 
 
 def test_every_config_field_is_covered():
-    every = {(cls, f.name) for cls in (ModelConfig, SchedulerConfig, CacheConfig, LLMConfig)
+    every = {(cls, f.name) for cls in (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig, LLMConfig)
              for f in dataclasses.fields(cls)}
     assert every - NOT_CHECKED_HERE == set(BAD_CONFIG_VALUES)
 
@@ -220,6 +223,19 @@ def test_good_config_values_are_kept():
     assert ModelConfig(model="m", device="cuda:1", dtype=torch.bfloat16, seed=INT64_MAX).dtype == "bfloat16"
     assert SchedulerConfig(max_model_len=INT32_MAX, max_num_batched_tokens=np.int64(8)).max_num_batched_tokens == 8
     assert CacheConfig(block_size=2**30, gpu_memory_utilization=1, num_blocks=2).gpu_memory_utilization == 1.0
+    assert ParallelConfig().distributed_executor_backend == "uni"
+    assert ParallelConfig(tensor_parallel_size=np.int64(2)).distributed_executor_backend == "mp"
+    assert ParallelConfig(distributed_executor_backend="mp").tensor_parallel_size == 1
+
+
+def test_parallel_config_refusals_say_why():
+    with pytest.raises(ValueError, match=named("distributed_executor_backend", "ray") + ".*not supported yet"):
+        ParallelConfig(distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=named("distributed_executor_backend", "uni") + ".*tensor_parallel_size is 2"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match=named("device", "cuda:1") + ".*rank r runs on cuda:r"):
+        EngineArgs(model="m", device="cuda:1", tensor_parallel_size=2).create_engine_config()
+    assert EngineArgs(model="m", tensor_parallel_size=2).create_engine_config().parallel_config.world_size == 2
 
 
 def test_keyword_form_names_the_field(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from micro_vllm import LLM, CacheConfig, EngineArgs, LLMConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from micro_vllm.config import ParallelConfig
 from micro_vllm.cli import main
 from micro_vllm.entrypoints.openai import api_server
 from micro_vllm.metrics.reader import Counter, Gauge, Histogram
@@ -46,7 +47,7 @@ def parse(argv: list[str]):
 
 def test_every_config_field_is_an_engine_arg_with_its_default():
     args = {f.name: f for f in dataclasses.fields(EngineArgs)}
-    for cls in (ModelConfig, SchedulerConfig, CacheConfig):
+    for cls in (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig):
         for config_field in dataclasses.fields(cls):
             if config_field.name != "model":  # required in ModelConfig; None (the default model) here
                 assert args[config_field.name].default == config_field.default, config_field.name
@@ -56,7 +57,7 @@ def test_every_config_field_is_an_engine_arg_with_its_default():
 def test_flags_parse_into_engine_args_and_its_config():
     args = parse(["--model", "m", "--max_model_len", "128", "--no-enable-prefix-caching", "--enforce-eager",
                   "--hf-overrides", '{"rope_theta": 5.0}', "--custom-ops=-rms_norm,+sampler", "--load_format=dummy",
-                  "--dtype", "float32", "--tensor-parallel-size", "1", "--trust-remote-code"])
+                  "--dtype", "float32", "-tp", "1", "--trust-remote-code"])
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args == EngineArgs(model="m", max_model_len=128, enable_prefix_caching=False, enforce_eager=True,
                                      hf_overrides={"rope_theta": 5.0}, custom_ops=["-rms_norm", "+sampler"],
@@ -70,9 +71,7 @@ def test_flags_parse_into_engine_args_and_its_config():
     assert EngineArgs.from_cli_args(parse([])) == EngineArgs()
 
 
-def test_settings_that_mean_more_than_one_device_or_unbuilt_features_are_refused(model, capsys):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not allowed; it must be 1"):
-        LLM(model=model, tensor_parallel_size=2)
+def test_settings_of_unbuilt_features_are_refused(model, capsys):
     with pytest.raises(TypeError, match=r"does not build: enable_lora \(LoRA adapters\)"):
         LLM(model=model, enable_lora=True)
     with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['swap_space'\] for LLM"):
@@ -80,8 +79,8 @@ def test_settings_that_mean_more_than_one_device_or_unbuilt_features_are_refused
     with pytest.raises(SystemExit):
         parse(["--enable-lora"])
     assert "unrecognized arguments: --enable-lora" in capsys.readouterr().err
-    assert main(["serve", "m", "--tensor-parallel-size", "4"]) == 2
-    assert "tensor_parallel_size=4 is not allowed" in capsys.readouterr().err
+    assert main(["serve", "m", "-tp", "0"]) == 2
+    assert "tensor_parallel_size=0 is not allowed" in capsys.readouterr().err
 
 
 def test_serve_takes_the_model_as_an_argument_or_a_flag(monkeypatch):

@@ -167,6 +167,37 @@ class CacheConfig:
             raise reject("kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
 
 
+EXECUTOR_BACKENDS = ("mp", "uni")  # vLLM's names; "ray" (several nodes) is not served yet
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over devices (vLLM's names): ``tensor_parallel_size`` ranks, each
+    holding a slice of every layer, and the executor that runs them: "uni" (one rank, in the
+    engine's process) or "mp" (one process per rank). None picks "uni" for one rank, else "mp"."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        check_field(self, "tensor_parallel_size", check_int, 1)
+        backend = self.distributed_executor_backend
+        if backend == "ray":
+            raise reject("distributed_executor_backend", backend, f"None or one of {EXECUTOR_BACKENDS}: 'ray' "
+                         "(several nodes) is not supported yet")
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise reject("distributed_executor_backend", backend, f"None or one of {EXECUTOR_BACKENDS}")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise reject("distributed_executor_backend", backend, f"'mp' or None: 'uni' runs one rank and "
+                         f"tensor_parallel_size is {self.tensor_parallel_size}")
+        if backend is None:
+            object.__setattr__(self, "distributed_executor_backend", "uni" if self.tensor_parallel_size == 1 else "mp")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 @dataclass(frozen=True)
 class LLMConfig:
     """Everything an engine needs, grouped the way vLLM groups it (``EngineArgs`` gives the same
@@ -175,12 +206,18 @@ class LLMConfig:
     model_config: ModelConfig
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     trace: Any = None  # a JSON-lines path or an object with emit(event); None turns tracing off
 
     def __post_init__(self) -> None:
         for name, section_cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), section_cls):
                 raise reject(name, getattr(self, name), f"a {section_cls.__name__}")
+        device, ranks = self.model_config.device, self.parallel_config.tensor_parallel_size
+        if ranks > 1 and device.startswith("cuda:"):
+            raise reject("device", device, f"'auto' or 'cuda' with tensor_parallel_size={ranks}: rank r runs on "
+                         "cuda:r")
 
 
-_SECTIONS = {"model_config": ModelConfig, "scheduler_config": SchedulerConfig, "cache_config": CacheConfig}
+_SECTIONS = {"model_config": ModelConfig, "scheduler_config": SchedulerConfig, "cache_config": CacheConfig,
+             "parallel_config": ParallelConfig}

@@ -4,12 +4,12 @@ It is the one place the flat form is defined: ``LLM(model=..., max_model_len=...
 as keywords, ``add_cli_args`` makes them the command line flags of ``micro-vllm generate`` and
 ``serve`` (and of scripts written for vLLM), and ``create_engine_config`` groups them into the
 ``LLMConfig`` the engine is built from, where every value is checked. A field of ``ModelConfig``,
-``SchedulerConfig`` or ``CacheConfig`` is an ``EngineArgs`` field of the same name and default.
+``SchedulerConfig``, ``CacheConfig`` or ``ParallelConfig`` is an ``EngineArgs`` field of the same name
+and default.
 
 vLLM settings that are not built here are not fields: given as a keyword or a flag, they are refused
-by name. Two are accepted because ignoring them is truthful: ``trust_remote_code`` (this engine runs
-no code from a model's repository, and an architecture it does not implement is refused either way)
-and ``tensor_parallel_size=1`` (one device is what runs; more is refused).
+by name. One is accepted because ignoring it is truthful: ``trust_remote_code`` (this engine runs no
+code from a model's repository, and an architecture it does not implement is refused either way).
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from micro_vllm.config import (
     CacheConfig,
     LLMConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from micro_vllm.validation import reject
 
 
-def _arg(default: Any, parse: Any, help: str) -> Any:
+def _arg(default: Any, parse: Any, help: str, short: str | None = None) -> Any:
     """A field whose command line flag parses its value with ``parse`` (``bool``: an on/off switch;
-    None: no flag)."""
-    return field(default=default, metadata={"parse": parse, "help": help})
+    None: no flag); ``short``, vLLM's short form of the flag."""
+    return field(default=default, metadata={"parse": parse, "help": help, "short": short})
 
 
 def _custom_ops(text: str) -> list[str]:
@@ -74,11 +75,15 @@ class EngineArgs:
     cpu_kv_cache_gib: float = _arg(CacheConfig.cpu_kv_cache_gib, float, "KV cache budget on CPU, in GiB")
     enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching, bool, "reuse the KV of shared prompt prefixes")
     kv_cache_dtype: str = _arg(CacheConfig.kv_cache_dtype, str, f"one of {', '.join(KV_CACHE_DTYPES)}")
+    # ParallelConfig
+    tensor_parallel_size: int = _arg(ParallelConfig.tensor_parallel_size, int, "devices the model is split over",
+                                     short="-tp")
+    distributed_executor_backend: str | None = _arg(ParallelConfig.distributed_executor_backend, str,
+                                                    "uni (one rank, in this process) or mp (a process per rank)")
     # LLMConfig
     trace: Any = _arg(None, None, "a JSON-lines path or an object with emit(event)")
     # Not part of the engine's config
     disable_log_stats: bool = _arg(False, bool, "record no metrics (LLM.get_metrics needs them; LLM's default: on)")
-    tensor_parallel_size: int = _arg(1, int, "devices per model: 1 only")
     trust_remote_code: bool = _arg(False, bool, "accepted; no code from a model's repository is ever run")
 
     @staticmethod
@@ -89,9 +94,9 @@ class EngineArgs:
             parse = setting.metadata["parse"]
             if parse is None:
                 continue
-            flag = "--" + setting.name.replace("_", "-")
+            flags = ["--" + setting.name.replace("_", "-")] + [s for s in [setting.metadata["short"]] if s]
             kwargs = {"action": argparse.BooleanOptionalAction} if parse is bool else {"type": parse}
-            parser.add_argument(flag, default=setting.default, help=setting.metadata["help"], **kwargs)
+            parser.add_argument(*flags, default=setting.default, help=setting.metadata["help"], **kwargs)
         return parser
 
     @classmethod
@@ -102,8 +107,6 @@ class EngineArgs:
     def create_engine_config(self) -> LLMConfig:
         """The ``LLMConfig`` these settings describe; raises, naming the setting, for one that is not
         allowed. ``model=None`` fetches the default model."""
-        if self.tensor_parallel_size != 1:
-            raise reject("tensor_parallel_size", self.tensor_parallel_size, "1: micro-vLLM runs a model on one device")
         if not isinstance(self.trust_remote_code, bool):
             raise reject("trust_remote_code", self.trust_remote_code, "True or False")
         model = self.model
@@ -120,6 +123,7 @@ class EngineArgs:
             model_config=ModelConfig(**{**section(ModelConfig), "model": model}),
             scheduler_config=SchedulerConfig(**section(SchedulerConfig)),
             cache_config=CacheConfig(**section(CacheConfig)),
+            parallel_config=ParallelConfig(**section(ParallelConfig)),
             trace=self.trace,
         )
 

@@ -31,6 +31,7 @@ from micro_vllm.engine.output import RequestOutput
 from micro_vllm.engine.output_processor import OutputProcessor
 from micro_vllm.engine.parallel_sampling import ParentRequest
 from micro_vllm.executor.abstract import Executor
+from micro_vllm.executor.multiproc_executor import MultiprocExecutor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
 from micro_vllm.metrics.stats import SchedulerStats
@@ -68,12 +69,19 @@ class LLMEngine:
         # The SamplingParams fields the model recommends (LLM.get_default_sampling_params).
         self.default_sampling_overrides = default_sampling_overrides(path, model_config.generation_config)
 
-        self.executor: Executor = SingleProcessExecutor(config, path, hf_config, self.max_model_len)
-        groups = make_kv_cache_groups(self.executor.get_attention_specs())
-        self.num_blocks = self.executor.determine_num_blocks(max_blocks_per_request(
-            groups, self.max_model_len, config.scheduler_config.max_num_batched_tokens, config.cache_config.block_size
-        ))
-        self.executor.initialize_kv_cache(groups, self.num_blocks)
+        # "uni": the one rank in this process; "mp": a process per rank (ParallelConfig picks).
+        multiproc = config.parallel_config.distributed_executor_backend == "mp"
+        executor_cls = MultiprocExecutor if multiproc else SingleProcessExecutor
+        self.executor: Executor = executor_cls(config, path, hf_config, self.max_model_len)
+        try:
+            groups = make_kv_cache_groups(self.executor.get_attention_specs())
+            self.num_blocks = self.executor.determine_num_blocks(max_blocks_per_request(
+                groups, self.max_model_len, config.scheduler_config.max_num_batched_tokens, config.cache_config.block_size
+            ))
+            self.executor.initialize_kv_cache(groups, self.num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # a failed start leaves no worker process behind
+            raise
         self.tracer = Tracer(trace_config) if trace_config is not None else None
         cache_config = config.cache_config
         kv_cache_manager = KVCacheManager(

@@ -31,4 +31,5 @@ class SingleProcessExecutor(Executor):
         self.worker.reset_batch()
 
     def shutdown(self) -> None:
+        self.worker.shutdown()
         self.worker = None

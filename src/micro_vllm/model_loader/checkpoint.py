@@ -2,7 +2,9 @@
 
 Weights come only from ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.json``)
 and are copied tensor by tensor into a model already built on the device, so peak host memory stays
-near one tensor. ``load_format="dummy"`` (vLLM's) fills the model with random weights instead. The
+near one tensor. ``load_format="dummy"`` (vLLM's) fills the model with random weights instead. Streamed
+``lazy``, the tensors come as safetensors slices, from which a tensor-parallel rank's ``weight_loader``
+reads only its part (``weight_utils.py``). The
 model's ``generation_config.json`` also gives the default sampling parameters
 (``default_sampling_overrides``).
 """
@@ -139,7 +141,7 @@ def _load_checkpoint(model: nn.Module, files: list[Path]) -> None:
     """Stream the checkpoint's tensors into the model; every parameter must get its weights."""
     checkpoint_names: dict[str, Path] = {}  # each tensor read so far -> its file, in reading order
     try:
-        loaded = model.load_weights(_stream(files, checkpoint_names))
+        loaded = model.load_weights(stream_weights(files, checkpoint_names))
     except ValueError as error:  # a tensor the model cannot take (a wrong shape): name it and its file
         if not checkpoint_names:
             raise
@@ -164,13 +166,16 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _stream(files: list[Path], seen: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_weights(files: list[Path], seen: dict[str, Path], lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Each checkpoint tensor of ``files`` with its name, recording in ``seen`` the file it came from:
+    read whole, or with ``lazy`` as a safetensors slice (``get_slice``) that reads what it is indexed
+    for: read it before asking for the next tensor."""
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     seen[name] = file
-                    yield name, reader.get_tensor(name)
+                    yield name, reader.get_slice(name) if lazy else reader.get_tensor(name)
         except (SafetensorError, OSError) as error:  # errors of the consumer never enter a generator
             raise OSError(f"{file} is not a readable safetensors file: {error}") from error
 

@@ -1,4 +1,9 @@
-"""One device: picks the device, dtype and backend, owns the ModelRunner, and sizes the KV cache."""
+"""One device: picks the device, dtype and backend, owns the ModelRunner, and sizes the KV cache.
+
+Under tensor parallelism there is one Worker per rank, each in its own process (``MultiprocExecutor``):
+rank r runs on cuda:r (on CPU, on the cores its process is given), and joins the ranks' process groups
+before it builds its slice of the model.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,13 @@ from micro_vllm.attention.backends.registry import BackendUnavailableError, back
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.kv_cache_manager import KVCacheGroup
 from micro_vllm.core.scheduler_output import SchedulerOutput
+from micro_vllm.distributed import (
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    get_tp_group,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from micro_vllm.layers.custom_op import resolve_custom_ops
 from micro_vllm.models.utils import head_size_of
 from micro_vllm.outputs import AsyncModelRunnerOutput
@@ -76,13 +88,29 @@ def resolve_attention_backend(backend: str | None, device: torch.device, head_si
     return "sdpa"
 
 
+def init_worker_distributed_environment(world_size: int, rank: int, distributed_init_method: str | None,
+                                        device: torch.device) -> None:
+    """Join the ranks' world and set the tensor-parallel group: activations over NCCL on CUDA, gloo on CPU."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init_distributed_environment(world_size, rank, distributed_init_method, backend)
+    initialize_model_parallel(world_size, backend)
+
+
 class Worker:
-    def __init__(self, config: LLMConfig, model_path, hf_config, max_model_len: int) -> None:
+    """``rank`` of ``config.parallel_config``'s ranks, which meet at ``distributed_init_method``
+    (a ``tcp://`` address; None for one rank)."""
+
+    def __init__(self, config: LLMConfig, model_path, hf_config, max_model_len: int, rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
         self.config = config
         model_config = config.model_config
+        world_size = config.parallel_config.world_size
         device = resolve_device(model_config.device)
+        if world_size > 1 and device.type == "cuda":
+            device = torch.device("cuda", rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        init_worker_distributed_environment(world_size, rank, distributed_init_method, device)
         dtype = resolve_dtype(model_config.dtype, device, hf_config)
         kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, dtype)
         backend = resolve_attention_backend(model_config.attention_backend, device, head_size_of(hf_config))
@@ -129,6 +157,7 @@ class Worker:
         else:
             budget = int(cache_config.cpu_kv_cache_gib * 2**30 // bytes_per_block)
             num_blocks = min(budget, settings.max_num_seqs * max_blocks_per_request + 1)
+        num_blocks = get_tp_group().all_reduce_min(num_blocks)  # every rank's cache holds the same blocks
         if num_blocks < 2:
             raise ValueError(
                 f"no room for the KV cache: {num_blocks} blocks fit; raise gpu_memory_utilization or "
@@ -144,3 +173,8 @@ class Worker:
 
     def reset_batch(self) -> None:
         self.model_runner.reset_batch()
+
+    def shutdown(self) -> None:
+        """Leave the ranks' process groups (nothing to leave for one rank)."""
+        destroy_model_parallel()
+        destroy_distributed_environment()
