@@ -26,7 +26,7 @@ from helpers.core_helpers import check_all_free, token_ids
 from helpers.failing_rank import LlamaConfigFailingOnRank1
 from helpers.fault_workload import PARAMS, PROMPTS, expected, make_llm, model_dir, record_preemptions  # noqa: F401
 from helpers.tiny_models import make_tiny_model
-from micro_vllm.config import LLMConfig
+from micro_vllm.engine.arg_utils import EngineArgs
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.executor.multiproc_executor import MultiprocExecutor, RemoteTraceback
 
@@ -78,7 +78,7 @@ def test_a_killed_worker_fails_the_engine_and_leaves_no_process(mp_llm):
 def test_a_rank_that_cannot_start_fails_the_start_on_every_rank(model_dir):
     path = make_tiny_model("llama", model_dir.parent, name="llama-for-failure")
     hf_config = LlamaConfigFailingOnRank1.from_pretrained(path)
-    config = LLMConfig.from_kwargs(str(path), device="cpu", tensor_parallel_size=2)
+    config = EngineArgs(model=str(path), device="cpu", tensor_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="injected: rank 1 cannot build its model") as failure:
         MultiprocExecutor(config, path, hf_config, max_model_len=64)
     assert isinstance(failure.value.__cause__, RemoteTraceback)  # where it was raised, in the worker
