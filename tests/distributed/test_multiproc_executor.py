@@ -51,7 +51,7 @@ def test_one_rank_in_its_own_process_gives_the_in_process_tokens(mp_llm, expecte
 def test_a_rollback_reaches_the_worker(mp_llm, expected):
     engine = mp_llm.engine
     for index in range(2):
-        engine.add_request(engine.make_request(f"dropped-{index}", PROMPTS[index], PARAMS[index]))
+        engine.add_request(f"dropped-{index}", PROMPTS[index], PARAMS[index])
     for _ in range(3):
         engine.step()
     engine.abort_all_requests()  # the worker forgets every request; the outputs in flight are never read
@@ -63,7 +63,7 @@ def test_a_killed_worker_fails_the_engine_and_leaves_no_process(mp_llm):
     engine = mp_llm.engine
     [worker] = engine.executor.workers
     for index, prompt in enumerate(PROMPTS):
-        engine.add_request(engine.make_request(f"request-{index}", prompt, PARAMS[index]))
+        engine.add_request(f"request-{index}", prompt, PARAMS[index])
     engine.step()
     os.kill(worker.process.pid, signal.SIGKILL)
     with pytest.raises(EngineDeadError, match="exited with code -9"):
