@@ -245,6 +245,7 @@ class FakeRunner:
         self.windows = [m.spec.sliding_window for m in kv.managers]
         self.tables: dict[str, list[list[int]]] = {}  # the runner's own block tables, from the plan
         self.tokens: dict[str, list[int]] = {}
+        self.listed_tokens: dict[str, list[int]] = {}  # what the plans said of each request's tokens
         self.prefix_ids: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
         self.slots: dict[tuple[int, int], list[int | None]] = {}  # (group, block id) -> prefix id per slot
@@ -291,7 +292,7 @@ class FakeRunner:
         new_ids = [r.req_id for r in plan.scheduled_new_reqs]
         cached = plan.scheduled_cached_reqs
         cached_ids = list(cached.req_ids)
-        assert len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached_ids)
+        assert len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached.new_token_ids) == len(cached_ids)
         assert sorted(new_ids + cached_ids) == sorted(counts), "the plan's parts disagree"
         assert not plan.preempted_req_ids & set(counts), "a preempted request is scheduled"
         assert all(scheduler.requests[r].status == RequestStatus.PREEMPTED for r in plan.preempted_req_ids)
@@ -312,18 +313,20 @@ class FakeRunner:
     def _apply(self, plan: SchedulerOutput) -> None:
         """What the real runner does to its persistent batch."""
         for req_id in plan.finished_req_ids | plan.preempted_req_ids:
-            for state in (self.tables, self.tokens, self.prefix_ids, self.num_computed):
+            for state in (self.tables, self.tokens, self.listed_tokens, self.prefix_ids, self.num_computed):
                 state.pop(req_id, None)
         for new in plan.scheduled_new_reqs:
             assert new.req_id not in self.tables, "a new request the runner already holds"
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
             self.tokens[new.req_id] = list(new.token_ids)
+            self.listed_tokens[new.req_id] = list(new.token_ids)
             self.prefix_ids[new.req_id] = []
             self.num_computed[new.req_id] = new.num_computed_tokens
         cached = plan.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                       cached.num_computed_tokens):
+        for req_id, new_block_ids, num_computed, new_token_ids in zip(
+                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.new_token_ids):
             assert req_id in self.tables, "a delta for a request the runner does not hold"
+            self.listed_tokens[req_id] += new_token_ids
             assert num_computed == self.num_computed[req_id]
             if new_block_ids is not None:
                 assert all(new_block_ids), "a group without new blocks"
@@ -334,6 +337,7 @@ class FakeRunner:
             # The scheduler lags behind by the tokens still in flight.
             request = self.scheduler.requests[req_id]
             known = request.all_token_ids
+            assert self.listed_tokens[req_id] == known, "the plans' new_token_ids miss or repeat a token"
             assert self.tokens[req_id][: len(known)] == known
             assert len(self.tokens[req_id]) - len(known) <= request.num_output_placeholders
             for table, manager in zip(self.tables[req_id], kv.managers):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -58,6 +58,7 @@ class Scheduler:
         # step will not be all decodes, so reading the table for it is wasted.
         self.chunks_left = False
         self.finished_req_ids: set[str] = set()  # since the last plan; the runner drops them
+        self.num_listed_tokens: dict[str, int] = {}  # per request, the tokens of it the runner has
         self.stats = self.make_stats()  # made with each plan, while that step's blocks are held
         # Set by the engine with the first structured-output request: the default path never loads it.
         self.structured_output_manager: StructuredOutputManager | None = None
@@ -123,6 +124,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.finished_req_ids.clear()  # the runner forgets every request too
+        self.num_listed_tokens.clear()
         self.planned_rows.clear()
         self.table.invalidate(reordered=True)
         self.kv_cache_manager.reset()
@@ -152,7 +154,7 @@ class Scheduler:
                 self.table.invalidate(reordered=False)
         plan = SchedulerOutput(
             scheduled_new_reqs=tuple(step.new_reqs),
-            scheduled_cached_reqs=step.cached_reqs(),
+            scheduled_cached_reqs=step.cached_reqs(self._new_token_ids),
             num_scheduled_tokens=step.scheduled_tokens(),
             total_num_scheduled_tokens=step.num_tokens,
             finished_req_ids=frozenset(self.finished_req_ids),
@@ -376,7 +378,17 @@ class Scheduler:
                     bad_words_token_ids=request.bad_words_token_ids,
                 )
             )
+            self.num_listed_tokens[request.request_id] = request.num_tokens
             step.add(request, num_new)
+
+    def _new_token_ids(self, req_ids: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Per request, the tokens appended since the last plan that listed it (``new_token_ids``)."""
+        new_token_ids = []
+        for req_id in req_ids:
+            request = self.requests[req_id]
+            new_token_ids.append(tuple(request.all_token_ids[self.num_listed_tokens[req_id]:]))
+            self.num_listed_tokens[req_id] = request.num_tokens
+        return tuple(new_token_ids)
 
     def update_from_output(self, output: ModelRunnerOutput) -> list[Request]:
         """Append the step's sampled tokens and check stops; return the requests that finished.
@@ -522,6 +534,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self.num_listed_tokens.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
 
 
@@ -589,10 +602,12 @@ class _StepBuilder:
             if request.grammar is not None:
                 self.structured_output_requests.append(request)
 
-    def cached_reqs(self) -> CachedRequestData:
+    def cached_reqs(self, new_token_ids: Callable[[tuple[str, ...]], tuple[tuple[int, ...], ...]]
+                    ) -> CachedRequestData:
         """The plan's requests that the runner holds: the decodes, or those planned one at a time."""
         req_ids = tuple(self.cached_req_ids) if self.decodes is None else self.decodes.req_ids
-        return CachedRequestData(req_ids, tuple(self.cached_new_block_ids), tuple(self.cached_num_computed_tokens))
+        return CachedRequestData(req_ids, tuple(self.cached_new_block_ids), tuple(self.cached_num_computed_tokens),
+                                 new_token_ids(req_ids))
 
     def scheduled_tokens(self) -> Mapping[str, int]:
         """Request id -> tokens to compute, in the step's order."""

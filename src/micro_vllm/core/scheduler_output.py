@@ -36,11 +36,14 @@ class NewRequestData:
 @dataclass(frozen=True)
 class CachedRequestData:
     """The requests the runner already holds, as parallel lists (vLLM's layout: no object per
-    request): their new blocks and how far each has been computed before the step."""
+    request): their new blocks, how far each has been computed before the step, and the output
+    tokens the scheduler appended to each since the last plan that listed it (empty when none; the
+    runner learns token values only this way)."""
 
     req_ids: tuple[str, ...]
     new_block_ids: tuple[BlockIds | None, ...]  # None: no new block (most decodes)
     num_computed_tokens: tuple[int, ...]
+    new_token_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
