@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from micro_vllm.config import LLMConfig
 from micro_vllm.engine.engine import Engine, PromptType
-from micro_vllm.engine.output import RequestOutput
+from micro_vllm.engine.request_output import RequestOutput
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.validation import reject, short_repr
 
