@@ -114,6 +114,7 @@ class InputBatch:
         self.uses_processors = column(bool)
         self.uses_penalties = column(bool)
         self.token_counts: TokenCounts | None = None  # allocated for the first request with penalties
+        # Every one-value-per-row column: they move with their rows (``_reorder``).
         self.columns = [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, *self.num_blocks,
                         self.temperature.np, self.top_k.np, self.top_p.np, self.min_p.np, self.seed,
                         self.num_logprobs, self.num_prompt_logprobs, self.processors, self.uses_processors,
