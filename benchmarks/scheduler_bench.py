@@ -51,8 +51,8 @@ MAX_NUM_BATCHED_TOKENS = 8192
 
 
 class HostOnlyRunner(ModelRunner):
-    """The runner's host work as it is; the forward pass is skipped and every sampling request
-    draws ``next_token``."""
+    """The runner's host work as it is; the forward pass is skipped and every request draws
+    ``next_token``."""
 
     next_token = 0
 
@@ -60,7 +60,7 @@ class HostOnlyRunner(ModelRunner):
         return torch.empty(0)
 
     def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
-        return SamplerOutput(torch.full((len(inputs.sample_rows),), self.next_token, dtype=torch.int64), None)
+        return SamplerOutput(torch.full((inputs.num_reqs,), self.next_token, dtype=torch.int64), None)
 
 
 @dataclass

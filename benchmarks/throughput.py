@@ -25,7 +25,7 @@ import torch
 from bench_model import build_random_model
 from workloads import WORKLOADS, make_workload
 from micro_vllm import LLM, SamplingParams
-from micro_vllm.worker.model_runner import DeviceStepOutput
+from micro_vllm.worker.step_output import DeviceStepOutput
 
 
 def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float,

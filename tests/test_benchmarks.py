@@ -13,7 +13,7 @@ import torch
 
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.sampling import sampler as sampler_module
-from micro_vllm.worker.model_runner import DeviceStepOutput
+from micro_vllm.worker.step_output import DeviceStepOutput
 from helpers.tiny_models import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -23,8 +23,8 @@ _EXPORTS = {
     "SamplingParams": "micro_vllm.sampling.params",
     "RequestOutputKind": "micro_vllm.sampling.params",
     "StructuredOutputsParams": "micro_vllm.structured_output.params",
-    "RequestOutput": "micro_vllm.engine.output",
-    "CompletionOutput": "micro_vllm.engine.output",
+    "RequestOutput": "micro_vllm.engine.request_output",
+    "CompletionOutput": "micro_vllm.engine.request_output",
     "TraceConfig": "micro_vllm.trace",
 }
 __all__ = list(_EXPORTS)
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from micro_vllm.config import CacheConfig, LLMConfig, ModelConfig, SchedulerConfig
     from micro_vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from micro_vllm.engine.engine import LLMEngine
-    from micro_vllm.engine.output import CompletionOutput, RequestOutput
+    from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
     from micro_vllm.llm import LLM
     from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
     from micro_vllm.structured_output.params import StructuredOutputsParams

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from micro_vllm.config import LLMConfig
 from micro_vllm.engine.arg_utils import engine_args_from_kwargs
 from micro_vllm.engine.engine import LLMEngine, PromptType
-from micro_vllm.engine.output import RequestOutput
+from micro_vllm.engine.request_output import RequestOutput
 from micro_vllm.metrics.loggers import PrometheusStatLogger
 from micro_vllm.metrics.reader import Metric, get_metrics_snapshot
 from micro_vllm.metrics.stats import IterationStats

@@ -1,4 +1,5 @@
-"""What the ModelRunner hands back to the scheduler after a step. Plain Python, so the core can read it."""
+"""What the ModelRunner hands back to the scheduler after a step (vLLM's ``v1/outputs.py``); what the
+user gets is ``engine/request_output.py``. Plain Python, so the core can read it."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import micro_vllm
 from helpers.core_helpers import FakeRunner, check_all_free, make_request, make_scheduler, token_ids
 from micro_vllm import LLM
 from micro_vllm.engine import output_processor
-from micro_vllm.worker.model_runner import DeviceStepOutput
+from micro_vllm.worker.step_output import DeviceStepOutput
 from helpers.fault_workload import PARAMS, PROMPTS, SETTINGS, check_nothing_left, inject
 from helpers.fault_workload import expected, make_llm, model_dir  # noqa: F401  (fixtures)
 from helpers.tiny_models import one_torch_thread  # noqa: F401  (an autouse fixture)

@@ -161,12 +161,12 @@ def test_preempted_requests_give_their_prompt_logprobs_once(model_dir, reference
 def test_a_batch_that_asks_for_no_logprobs_computes_none(model_dir, monkeypatch):
     """No log-softmax, no top-k and no copies for logprobs unless a request asks."""
     from micro_vllm.sampling import sampler
-    from micro_vllm.worker import model_runner
+    from micro_vllm.worker import prompt_logprobs
 
     def refuse(*args):
         raise AssertionError("logprobs computed for a batch that asked for none")
 
-    for module in (sampler, model_runner):
+    for module in (sampler, prompt_logprobs):
         monkeypatch.setattr(module, "compute_logprobs", refuse)
     with make_llm(model_dir) as llm:
         outputs = llm.generate(PROMPTS, [SamplingParams(max_tokens=3, temperature=t) for t in (0, 1, 0.5)],

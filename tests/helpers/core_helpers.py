@@ -265,7 +265,7 @@ class FakeRunner:
         new_ids = [r.req_id for r in plan.scheduled_new_reqs]
         cached = plan.scheduled_cached_reqs
         cached_ids = list(cached.req_ids)
-        assert len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached_ids)
+        assert len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached.new_token_ids) == len(cached_ids)
         assert sorted(new_ids + cached_ids) == sorted(counts), "the plan's parts disagree"
         assert not plan.preempted_req_ids & set(counts), "a preempted request is scheduled"
         assert all(scheduler.requests[r].status == RequestStatus.PREEMPTED for r in plan.preempted_req_ids)

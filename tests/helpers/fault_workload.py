@@ -75,7 +75,8 @@ def check_nothing_left(llm: LLM) -> None:
     assert not engine.output_processor.parent_requests and not engine.output_processor.parent_of
     runner = engine.executor.worker.model_runner
     assert len(runner.input_batch) == 0 and not runner.input_batch.row_of
-    assert runner.last_output is None
+    assert runner.prev_sampled_token_ids is None and not runner.prev_req_id_to_index
+    assert not runner.prompt_logprobs.in_progress
 
 
 def inject(patch: pytest.MonkeyPatch, owner, name: str, at_call: int, error: type[BaseException]) -> None:

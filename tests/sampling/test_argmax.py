@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from micro_vllm.sampling.sampler import ARGMAX_CHUNK, argmax
+from micro_vllm.sampling.sampler import ARGMAX_CHUNK, cpu_argmax
 
 
 def rows_with_ties(vocab: int) -> torch.Tensor:
@@ -22,7 +22,7 @@ def rows_with_ties(vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("vocab", [6 * ARGMAX_CHUNK, 6 * ARGMAX_CHUNK + 3])
 def test_argmax_matches_torch_argmax(vocab):
     rows = rows_with_ties(vocab)
-    assert torch.equal(argmax(rows), rows.argmax(dim=-1))
+    assert torch.equal(cpu_argmax(rows), rows.argmax(dim=-1))
     noisy = torch.randn(16, vocab, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(argmax(noisy), noisy.argmax(dim=-1))
-    assert torch.equal(argmax(noisy[:, ::1].t().contiguous().t()), noisy.argmax(dim=-1))  # a strided view
+    assert torch.equal(cpu_argmax(noisy), noisy.argmax(dim=-1))
+    assert torch.equal(cpu_argmax(noisy[:, ::1].t().contiguous().t()), noisy.argmax(dim=-1))  # a strided view

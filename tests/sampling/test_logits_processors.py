@@ -271,12 +271,12 @@ def test_both_sampler_routes_draw_from_the_processed_logits(use_triton, with_min
     processors = LogitsProcessorsMetadata(
         allowed_rows=allowed_rows,
         allowed_token_ids=(allowed_rows.repeat_interleave(4), allowed_ids.repeat(4)),
-        token_biases=TokenBiases(torch.arange(num_rows), logits.argmax(dim=-1), torch.full((num_rows,), -float("inf"))),
+        bans=TokenBiases(torch.arange(num_rows), logits.argmax(dim=-1), torch.full((num_rows,), -float("inf"))),
     )
     sampler = Sampler(use_triton, seed=0, max_num_reqs=num_rows)
     metadata = SamplingMetadata(temperature, None, None, all_greedy=False, all_random=False,
                                 min_p=min_p if with_min_p else None, logits_processors=processors)
-    sampler.add_row_seeds(metadata, {})
+    metadata = sampler.add_row_seeds(metadata, {})
     tokens = sampler(logits, metadata).sampled_token_ids
 
     processed = logits.clone()

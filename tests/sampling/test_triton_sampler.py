@@ -171,16 +171,13 @@ def test_the_sampler_turns_row_seeds_into_what_its_route_draws_with():
                                 all_random=not greedy)
 
     triton_route = Sampler(True, seed=7, max_num_reqs=4)
-    drawn = metadata()
-    triton_route.add_row_seeds(drawn, {1: 123, 3: 456})
+    drawn = triton_route.add_row_seeds(metadata(), {1: 123, 3: 456})
     stream = np.random.default_rng(7).integers(0, 2**63 - 1, 4).tolist()
     assert drawn.seeds.tolist() == [stream[0], 123, stream[2], 456] and not drawn.generators
-    greedy = metadata(greedy=True)
-    triton_route.add_row_seeds(greedy, {})
+    greedy = triton_route.add_row_seeds(metadata(greedy=True), {})
     assert greedy.seeds is None
     torch_route = Sampler(False, seed=7)
-    drawn = metadata()
-    torch_route.add_row_seeds(drawn, {1: 123})
+    drawn = torch_route.add_row_seeds(metadata(), {1: 123})
     assert drawn.seeds is None and list(drawn.generators) == [1] and drawn.generators[1].initial_seed() == 123
 
 
@@ -191,8 +188,8 @@ def test_the_triton_route_draws_the_engine_stream_in_order_across_its_bulk_draws
     sampler = Sampler(True, seed=3, max_num_reqs=8)
     stream = np.random.default_rng(3)
     for n in [4, 3, 8, 1, 6, 8, 2]:
-        drawn = SamplingMetadata(torch.ones(n), None, None, all_greedy=False, all_random=True)
-        sampler.add_row_seeds(drawn, {})
+        drawn = sampler.add_row_seeds(SamplingMetadata(torch.ones(n), None, None, all_greedy=False, all_random=True),
+                                      {})
         assert drawn.seeds.tolist() == stream.integers(0, 2**63 - 1, n).tolist()
 
 

@@ -32,6 +32,7 @@ from helpers.structured_output import (
 from helpers.fault_workload import record_preemptions
 from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401  (an autouse fixture)
 from micro_vllm import LLM, SamplingParams, StructuredOutputsParams
+from micro_vllm.sampling.sampler import apply_grammar_bitmask as sampler_mask
 from micro_vllm.structured_output.manager import StructuredOutputGrammar, StructuredOutputManager, apply_grammar_bitmask
 
 PADDED_IDS = 40  # the model's vocabulary padded past the tokenizer's, as many models ship it
@@ -191,6 +192,19 @@ def test_bitmask_shape_and_row_count_are_checked(tokenizer, manager):
         apply_grammar_bitmask(torch.zeros(1, len(tokenizer)), bitmask)  # the tokenizer's width, not the model's
 
 
+def test_the_samplers_mask_is_xgrammars():
+    """The Sampler masks the logits with the plan's bitmask in PyTorch (so that only structured-output
+    requests need xgrammar): what xgrammar's kernel masks, over a width that is no multiple of 32."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 70, generator=generator)
+    bitmask = torch.randint(0, 2**32, (5, 3), dtype=torch.int64, generator=generator).to(torch.int32)
+    bitmask[0], bitmask[1] = -1, 0  # every token, none
+    expected = logits.clone()
+    apply_grammar_bitmask(expected, bitmask)
+    sampler_mask(logits, bitmask)
+    assert torch.equal(logits, expected) and torch.isinf(logits[1]).all() and torch.isfinite(logits[0]).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.real_model
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -199,10 +213,11 @@ def test_bitmask_on_cuda_masks_as_on_cpu(manager, dtype):
     grammars = [manager.grammar_init(StructuredOutputsParams(json=schema)) for _, schema in SCHEMAS[:4]] + [None]
     bitmask = manager.grammar_bitmask(grammars)
     logits = torch.randn(len(grammars), manager.vocab_size, dtype=dtype)
-    on_cuda = logits.cuda()
+    on_cuda, by_the_sampler = logits.cuda(), logits.cuda()
     apply_grammar_bitmask(logits, bitmask)
     apply_grammar_bitmask(on_cuda, bitmask)
-    assert torch.equal(on_cuda.cpu(), logits)
+    sampler_mask(by_the_sampler, bitmask)
+    assert torch.equal(on_cuda.cpu(), logits) and torch.equal(by_the_sampler.cpu(), logits)
     assert torch.isinf(logits[:4]).any(dim=1).all() and not torch.isinf(logits[4]).any()
 
 
@@ -261,6 +276,31 @@ def test_seeded_sampling_survives_preemption_without_async_scheduling(llm, model
     assert preempted, "the cache must be small enough to preempt"
     assert {p: o.token_ids for p, o in outputs.items()} == {p: o.token_ids for p, o in expected.items()}
     check_all({prompt: output.text for prompt, output in outputs.items()})
+
+
+@pytest.mark.real_model
+def test_logprobs_are_the_models_before_the_grammar_mask(llm):
+    """A constrained request's logprobs are the model's (vLLM's raw logprobs), taken before the
+    grammar's mask: finite also for the top tokens the grammar forbids, so the server's JSON can carry
+    them, and those of an unconstrained request given the same tokens (the prompt logprobs of the
+    prompt followed by the constrained output). A choice, whose grammar forbids almost every token."""
+    tokenizer = llm.engine.tokenizer
+    prompt = chat_prompt_ids(tokenizer, "Is the sky blue? Answer yes or no.")
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    [constrained] = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=5,
+                                                          structured_outputs=choice), use_tqdm=False)
+    completion = constrained.outputs[0]
+    assert completion.text in ("yes", "no")
+    [plain] = llm.generate([prompt + completion.token_ids], SamplingParams(max_tokens=1, prompt_logprobs=5),
+                           use_tqdm=False)
+    for i, position in enumerate(completion.logprobs):
+        expected = plain.prompt_logprobs[len(prompt) + i]
+        assert set(position) == set(expected)
+        for token_id, entry in position.items():
+            assert entry.logprob == pytest.approx(expected[token_id].logprob, abs=1e-4) and entry.rank == expected[token_id].rank
+    first = completion.logprobs[0]
+    forbidden = [t for t in first if not any(c.startswith(tokenizer.decode([t])) for c in choice.choice)]
+    assert forbidden and all(first[t].logprob > -float("inf") for t in forbidden)
 
 
 SHORT = [(prompt, SamplingParams(max_tokens=12, temperature=0, structured_outputs=so))

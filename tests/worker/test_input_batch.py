@@ -1,11 +1,15 @@
 """The runner's persistent batch on its own: block ids appended step by step land after each row's
-earlier ones, whichever way a step's ids are written (one block for every row of a group, or not)."""
+earlier ones, whichever way a step's ids are written (one block for every row of a group, or not);
+rows follow the step's order, with their tokens, blocks and settings, and the sampling metadata is
+made from the step's rows."""
 
 import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from micro_vllm.core.scheduler_output import CachedRequestData, NewRequestData
+from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.worker.input_batch import InputBatch
 
 NUM_ROWS, NUM_GROUPS = 5, 2
@@ -39,3 +43,52 @@ def test_appended_block_ids_follow_each_rows_earlier_ones(steps, one_each_first)
             for row in range(NUM_ROWS):
                 num_blocks = batch.num_blocks[group][row]
                 assert batch.block_tables[group][row, :num_blocks].tolist() == expected[group][row]
+
+
+def new_request(req_id: str, prompt: list[int], block: int, **params) -> NewRequestData:
+    return NewRequestData(req_id, tuple(prompt), len(prompt), SamplingParams(**params), ((block,),), 0)
+
+
+def cached(req_ids: list[str], new_token_ids: list[tuple[int, ...]]) -> CachedRequestData:
+    return CachedRequestData(tuple(req_ids), (None,) * len(req_ids), (0,) * len(req_ids), tuple(new_token_ids))
+
+
+def test_rows_follow_the_step_with_their_tokens_blocks_and_settings():
+    batch = InputBatch(4, 16, [4], 32, torch.device("cpu"))
+    for new in (new_request("a", [1, 2], 5, temperature=0.5, top_k=3),
+                new_request("b", [3, 4, 5], 6, temperature=0.0),
+                new_request("c", [6], 7, temperature=1.0, top_p=0.75, seed=11, presence_penalty=0.5)):
+        batch.add_request(new)
+
+    def step(req_ids: list[str], new_tokens: list[tuple[int, ...]]) -> None:
+        batch.arrange(req_ids)
+        batch.update_cached(cached(req_ids, new_tokens))
+        if batch.changed:
+            batch.refresh_sampling_metadata()
+
+    def rows() -> dict[str, tuple]:
+        return {req_id: (batch.token_ids[row, : batch.num_tokens[row]].tolist(), int(batch.block_tables[0][row, 0]),
+                         float(batch.temperature.np[row]), int(batch.seed[row]), bool(batch.uses_penalties[row]))
+                for row, req_id in enumerate(batch.req_ids)}
+
+    step(["a", "b", "c"], [(), (), ()])
+    before = rows()
+    metadata = batch.sampling_metadata
+    assert metadata.temperature.tolist() == [0.5, 0.0, 1.0] and metadata.top_k.tolist() == [3, 0, 0]
+    assert metadata.top_p.tolist() == [1.0, 1.0, 0.75] and not metadata.all_greedy and not metadata.all_random
+    assert metadata.logits_processors.penalties.rows.tolist() == [2]
+    step(["a", "b", "c"], [(9,), (), (8, 7)])  # the same rows: the metadata is the last step's
+    assert batch.sampling_metadata is metadata
+    assert [batch.token_ids[row, : batch.num_tokens[row]].tolist() for row in range(3)] == [[1, 2, 9], [3, 4, 5],
+                                                                                           [6, 8, 7]]
+    # "a" leaves; "b" sits this step out, behind "c"; then comes back after it.
+    batch.remove_requests(["a", "unknown"])
+    step(["c"], [()])
+    assert batch.req_ids == ["c", "b"] and batch.num_reqs == 1
+    assert rows() == {"c": ([6, 8, 7], 7, 1.0, 11, True), "b": before["b"]}
+    assert batch.sampling_metadata.temperature.tolist() == [1.0]
+    assert batch.sampling_metadata.logits_processors.penalties.rows.tolist() == [0]
+    step(["c", "b"], [(), (4,)])
+    assert batch.req_ids == ["c", "b"] and rows()["b"][0] == [3, 4, 5, 4]
+    assert batch.sampling_metadata.temperature.tolist() == [1.0, 0.0]
+    assert batch.row_seeds(np.array([5, 4], np.int32)) == {0: hash((11, 4)) & (2**63 - 1)}  # the output position

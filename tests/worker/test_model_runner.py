@@ -1,7 +1,7 @@
 """Pieces of the ModelRunner that run on CUDA, exercised on CPU: the step buffers' copy (on CPU a
 CpuGpuBuffer's host and device sides are one tensor, so a separate twin stands in for the device
-side), the start-up steps, the CUDA graph shapes and steps padded to one (decode and mixed), and when
-fetched tokens reach the persistent batch."""
+side), the start-up steps, the CUDA graph shapes and steps padded to one (decode and mixed); and the
+persistent batch as the plans leave it, step after step."""
 
 from collections import Counter
 
@@ -99,27 +99,6 @@ def test_start_up_steps_run_on_cpu_and_write_no_kv(tmp_path):
         assert len(output[0].outputs[0].token_ids) == 2
 
 
-def test_fetched_tokens_reach_the_persistent_batch_at_the_next_step(tmp_path):
-    """``get_output`` only returns a step's tokens; the runner writes them into its persistent batch
-    when it launches its next step, where the request's row is then (another request left meanwhile,
-    so rows moved)."""
-    path = make_tiny_model("qwen3", tmp_path)
-    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
-        engine = llm.engine
-        runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
-        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 5)]
-        for i, (prompt, p) in enumerate(zip(([1, 2, 3], [4, 5, 6, 7]), params)):
-            engine.add_request(str(i), prompt, p)
-        output = runner.execute_model(scheduler.schedule()).get_output()
-        batch = runner.input_batch
-        row = batch.row_of["1"]
-        assert batch.token_ids[row, 4] != output.sampled_token_ids[1][0]  # fetched, not yet applied
-        scheduler.update_from_output(output)  # request "0" is done: the next plan drops its row
-        runner.execute_model(scheduler.schedule())
-        assert batch.row_of["1"] != row
-        assert batch.token_ids[batch.row_of["1"], 4] == output.sampled_token_ids[1][0]
-
-
 def test_a_decode_step_padded_to_a_graph_size_stages_dummies_that_write_nowhere():
     """Two decodes padded to a captured batch of 4: the rows past them, stale from a larger step, are
     staged as decodes of one token over the null block with no slot, and the Triton builder orders
@@ -212,12 +191,10 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
         engine.add_request("1", list(range(10, 19)), params)
         plan = scheduler.schedule()
         assert list(plan.num_scheduled_tokens.values()) == [1, 9]
-        runner.apply_fetched_outputs()
-        rows = runner.update_states(plan)
-        req_ids = list(plan.num_scheduled_tokens)
+        runner.update_states(plan)
         before = [layer.kv_cache.clone() for layer in layers]
 
-        unpadded = runner.prepare_inputs(plan, req_ids, rows)
+        unpadded = runner.prepare_inputs(plan)
         assert unpadded.cuda_graph_shape is None
         expected = runner.model(unpadded.input_ids, unpadded.positions, unpadded.attn_metadata).clone()
         real_slots = unpadded.attn_metadata[0].common.slot_mapping.tolist()
@@ -240,7 +217,7 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
                 buffer.np[:] = stale
             assert shape.fits(2, 10, 9)
             monkeypatch.setattr(runner.cuda_graphs, "shape_for", lambda *step, shape=shape: shape)
-            padded = runner.prepare_inputs(plan, req_ids, rows)
+            padded = runner.prepare_inputs(plan)
             assert padded.cuda_graph_shape == shape and padded.num_tokens == 10
             common = padded.attn_metadata[0].common
             assert padded.input_ids.shape[0] == shape.num_tokens and common.num_reqs == 4
@@ -255,87 +232,52 @@ def test_a_mixed_step_padded_to_a_graph_shape_computes_the_same_and_pads_write_n
                 assert torch.nonzero(written).flatten().tolist() == sorted(real_slots)
 
 
-def test_rows_that_change_hands_get_their_new_requests_settings_and_tokens(tmp_path):
-    """A step reuses the sampling settings, and writes its fetched tokens into the rows, of the last
-    step only while no row has changed hands: here "a" leaves and "c" takes a row, so the next step
-    samples the same rows as the first, for other requests."""
-    path = make_tiny_model("qwen3", tmp_path)
-    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
-        engine = llm.engine
-        runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
-
-        def add(req_id, prompt, max_tokens, temperature):
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
-            engine.add_request(req_id, prompt, params)
-
-        def step():
-            output = runner.execute_model(scheduler.schedule()).get_output()
-            scheduler.update_from_output(output)
-            return dict(zip(output.req_ids, output.sampled_token_ids))
-
-        add("a", [1, 2, 3], 1, 0.0)
-        add("b", [4, 5, 6, 7], 5, 0.5)
-        step()  # "a" is done: the next plan drops its row
-        add("c", [8, 9], 3, 1.0)
-        sampled = step()
-        settings, batch = runner.sampling_settings, runner.input_batch
-        assert settings.rows.tolist() == [0, 1]  # as in the first step
-        assert [batch.req_ids[row] for row in settings.rows] == ["b", "c"]
-        assert settings.metadata.temperature.tolist() == [0.5, 1.0]
-        step()  # the same rows, none changed hands: the settings are reused, the tokens go to the rows
-        assert runner.sampling_settings is settings
-        assert batch.token_ids[batch.row_of["c"], 2] == sampled["c"][0]
-        assert batch.token_ids[batch.row_of["b"], 5] == sampled["b"][0]
-        # A step's read-only rows (every request samples) are reused as they are; other rows are not.
-        in_order, swapped = np.array([0, 1]), np.array([1, 0])
-        in_order.flags.writeable = swapped.flags.writeable = False
-        settings = runner._sampling_settings(in_order)
-        assert runner._sampling_settings(in_order) is settings
-        assert runner._sampling_settings(swapped).metadata.temperature.tolist() == [1.0, 0.5]
-        # Rows in which no request asks for prompt logprobs are taken as such while they are the same
-        # array; other rows are looked at (here as if a request asking for them had taken row 1).
-        assert not runner._asks_prompt_logprobs(in_order)
-        assert runner.rows_without_prompt_logprobs is in_order
-        batch.num_prompt_logprobs[1] = 2
-        assert not runner._asks_prompt_logprobs(in_order) and runner._asks_prompt_logprobs(swapped)
-        batch.num_prompt_logprobs[1] = -1
-
-
-def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computation(tmp_path):
-    """Through requests that finish, join and are preempted, after every step: where each row's
-    token is in the step's sampled tensor (``last_sample_index``, kept from the last step when it
-    sampled the same rows), the sampling settings (kept likewise) and whether a row asks for prompt
-    logprobs (kept for the same rows once none asked), as computed anew; and some steps did keep them."""
+def test_the_batch_follows_the_plans_through_finishes_joins_and_preemptions(tmp_path):
+    """Through requests that finish, join and are preempted, checked after every step: the batch's
+    first rows are the step's requests in the plan's order (its cached requests, then its new
+    ones); each row holds exactly the tokens the scheduler had when it planned (the plans'
+    new_token_ids), the newest token being on the device for the requests that sampled it in the
+    step before; the sampling metadata holds the rows' settings, made again only when the rows
+    changed; and every row whose step reaches its last known token samples, the others (prompt
+    chunks) do not."""
     path = make_tiny_model("qwen3", tmp_path)
     llm = LLM(model=str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=3,
               max_num_batched_tokens=16, block_size=4, num_blocks=14)
-    runner = llm.engine.executor.worker.model_runner
-    execute, log = runner.execute_model, Counter()
+    engine = llm.engine
+    runner, scheduler = engine.executor.worker.model_runner, engine.scheduler
+    execute, refresh, log = runner.execute_model, runner.input_batch.refresh_sampling_metadata, Counter()
+
+    def counted_refresh():
+        log["metadata made"] += 1
+        refresh()
 
     def checked_execute(plan):
+        log["steps"] += 1
         log["preempted"] += len(plan.preempted_req_ids)
-        last, last_settings = runner.last_output, runner.sampling_settings
+        requests = [scheduler.requests[req_id] for req_id in plan.num_scheduled_tokens]
+        known = {r.request_id: list(r.all_token_ids) for r in requests}
+        # The scheduler counts a placeholder for the token a step samples: the step's is the last.
+        samples = {r.request_id: 0 < r.num_output_placeholders == r.num_computed_tokens - r.num_tokens + 1
+                   for r in requests}
+        on_device = set(runner.prev_req_id_to_index)
         output = execute(plan)
-        batch, newest = runner.input_batch, runner.last_output
-        if newest is output:
-            log["kept"] += last is not None and last.batch_rows is newest.batch_rows
-            expected = np.full(len(batch), -1)
-            expected[newest.batch_rows] = np.arange(len(newest.batch_rows))
-            assert np.array_equal(batch.last_sample_index[: len(batch)], expected)
-            # The sampling settings are those of the rows that sampled, reused or not.
-            settings = runner.sampling_settings
-            log["settings kept"] += settings is last_settings
-            assert settings.rows_version == batch.rows_version
-            assert np.array_equal(settings.rows, newest.batch_rows)
-            assert np.array_equal(settings.metadata.temperature.numpy(), batch.temperature[newest.batch_rows])
-        # Rows taken for asking no prompt logprobs ask for none (some requests here ask).
-        rows = runner.step_rows.rows
-        if rows is runner.rows_without_prompt_logprobs:
-            log["no prompt logprobs kept"] += 1
-            assert (batch.num_prompt_logprobs[rows] < 0).all()
+        batch = runner.input_batch
+        step = [*plan.scheduled_cached_reqs.req_ids, *(new.req_id for new in plan.scheduled_new_reqs)]
+        assert batch.req_ids[: batch.num_reqs] == step and set(batch.req_ids[len(step):]).isdisjoint(step)
+        for row, req_id in enumerate(step):
+            assert batch.token_ids[row, : batch.num_tokens[row]].tolist() == known[req_id]
+            num_after_step = batch.num_computed_tokens[row] + plan.num_scheduled_tokens[req_id]
+            assert num_after_step <= len(known[req_id]) + (req_id in on_device)  # at most the device's token more
+        if step:
+            temperatures = [scheduler.requests[req_id].sampling_params.temperature for req_id in step]
+            assert batch.sampling_metadata.temperature.tolist() == pytest.approx(temperatures)
+            sampled = output.get_output()
+            assert sampled.req_ids == step
+            assert {req_id: bool(tokens) for req_id, tokens in zip(step, sampled.sampled_token_ids)} == samples
         return output
 
     runner.execute_model = checked_execute
+    runner.input_batch.refresh_sampling_metadata = counted_refresh
     prompts = [[(i * 13 + j * 5) % 250 for j in range(6 + 3 * i)] for i in range(6)]
     params = [SamplingParams(max_tokens=4 + 5 * i, temperature=0.1 * i, ignore_eos=True,
                              prompt_logprobs=1 if i % 3 == 1 else None) for i in range(6)]
@@ -343,4 +285,4 @@ def test_what_decode_steps_reuse_from_the_last_step_agrees_with_a_fresh_computat
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     # vLLM's layout: None for the first prompt token, then one entry per prompt token.
     assert [len(o.prompt_logprobs or ()) for o in outputs] == [len(p) * (i % 3 == 1) for i, p in enumerate(prompts)]
-    assert log["preempted"] and log["kept"] > 10 and log["settings kept"] > 10 and log["no prompt logprobs kept"] > 5
+    assert log["preempted"] and log["steps"] > 2 * log["metadata made"] > 0

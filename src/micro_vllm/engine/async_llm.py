@@ -30,7 +30,7 @@ from micro_vllm.engine.arg_utils import AsyncEngineArgs
 from micro_vllm.engine.core_proc import run_engine_core
 from micro_vllm.engine.engine import PromptType
 from micro_vllm.engine.exceptions import EngineDeadError
-from micro_vllm.engine.output import RequestOutput
+from micro_vllm.engine.request_output import RequestOutput
 from micro_vllm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
 from micro_vllm.model_loader.checkpoint import resolve_model_path
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams

@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from micro_vllm.config import LLMConfig
 from micro_vllm.engine.engine import LLMEngine
 from micro_vllm.engine.exceptions import EngineDeadError
-from micro_vllm.engine.output import RequestOutput
+from micro_vllm.engine.request_output import RequestOutput
 
 
 def run_engine_core(config: LLMConfig, conn: Connection) -> None:

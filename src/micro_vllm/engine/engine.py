@@ -27,9 +27,9 @@ from micro_vllm.core.kv_cache_manager import KVCacheManager, make_kv_cache_group
 from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.core.scheduler import Scheduler
 from micro_vllm.core.scheduler_output import SchedulerOutput
-from micro_vllm.engine.output import RequestOutput
 from micro_vllm.engine.output_processor import OutputProcessor
 from micro_vllm.engine.parallel_sampling import ParentRequest
+from micro_vllm.engine.request_output import RequestOutput
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.multiproc_executor import MultiprocExecutor
 from micro_vllm.executor.single_process import SingleProcessExecutor

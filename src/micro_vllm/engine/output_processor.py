@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from micro_vllm.core.request import Request, RequestStatus
 from micro_vllm.engine.detokenizer import IncrementalDetokenizer, decode_output
 from micro_vllm.engine.logprobs import LogprobsProcessor
-from micro_vllm.engine.output import CompletionOutput, RequestOutput
 from micro_vllm.engine.parallel_sampling import ParentRequest
+from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
 from micro_vllm.outputs import LogprobsLists
 from micro_vllm.sampling.params import RequestOutputKind
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from micro_vllm.core.request import Request
-from micro_vllm.engine.output import CompletionOutput, RequestOutput
+from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 
 

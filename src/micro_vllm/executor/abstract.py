@@ -42,8 +42,9 @@ class Executor(ABC):
     def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch one step and return without waiting for the device; the handle's ``get_output``
         waits for the step's sampled tokens. Every plan the scheduler emits comes here, empty ones
-        included, in order (each carries the batch changes since the last), and handles are read in
-        the order their plans were launched."""
+        included, in order (each carries the batch changes since the last, token values included:
+        the workers learn nothing else from the engine), and handles are read in the order their
+        plans were launched."""
 
     @abstractmethod
     def reset_batch(self) -> None:

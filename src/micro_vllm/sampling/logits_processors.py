@@ -1,14 +1,15 @@
 """vLLM's logits processors, applied on the device to a step's logits, all rows in one batch.
 
 ``apply_logits_processors`` runs before the greedy argmax, in vLLM V1's order: ``allowed_token_ids``
-masks every other token, then per-token biases (``bad_words`` and ``min_tokens`` ban tokens with
--inf, ``logit_bias`` adds its values), then the penalties: ``repetition_penalty`` on tokens of the
+masks every other token, then per-token biases (``logit_bias`` adds its values; ``bad_words`` and
+``min_tokens`` ban tokens with -inf), then the penalties: ``repetition_penalty`` on tokens of the
 prompt or the output (positive logits divided by it, negative ones multiplied), then
 ``frequency_penalty`` times each token's count in the output and ``presence_penalty`` for each
 token the output holds. ``apply_min_p`` filters the temperature-scaled logits, before top-k / top-p.
 
-The runner gathers the inputs for the rows that use a processor (``ModelRunner._sampling_metadata``);
-a batch that uses none has no ``LogitsProcessorsMetadata`` and never reaches this module.
+The runner's ``InputBatch`` makes the inputs from its rows' settings when its rows change, and each
+step adds the tokens ``min_tokens`` and ``bad_words`` ban at that step (they depend on the output so
+far); a batch that uses no processor has no ``LogitsProcessorsMetadata`` and never reaches this module.
 """
 
 from __future__ import annotations
@@ -18,38 +19,38 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenBiases:
-    """Sparse additions to the logits: ``values[i]`` goes to token ``token_ids[i]`` of step row
-    ``rows[i]``; -inf bans the token. A (row, token) may appear more than once (a banned token with
-    a bias, two bad words ending in the same token): the additions are summed."""
+    """Sparse additions to the logits: ``values[i]`` goes to token ``token_ids[i]`` of row ``rows[i]``;
+    -inf bans the token. A (row, token) may appear more than once (two bad words ending in the same
+    token): the additions are summed."""
 
     rows: torch.Tensor  # int64 [m]
     token_ids: torch.Tensor  # int64 [m]
     values: torch.Tensor  # float32 [m]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Penalties:
-    """The penalties of the step rows ``rows``, with their tokens as the device counts them."""
+    """The penalties of the rows ``rows``, and where the runner counts every row's tokens on the device."""
 
-    rows: torch.Tensor  # int64 [m], rows of the step's logits
+    rows: torch.Tensor  # int64 [m], rows of the batch and of its logits
     presence: torch.Tensor  # float32 [m]
     frequency: torch.Tensor  # float32 [m]
     repetition: torch.Tensor  # float32 [m]
-    output_token_counts: torch.Tensor  # int32 [m, vocab]: how often each token occurs in the output
-    prompt_token_mask: torch.Tensor  # bool [m, vocab]: whether it occurs in the prompt
-    batch_rows: torch.Tensor  # int64 [m]: the runner's rows of those counts, where it counts the sampled tokens
+    output_token_counts: torch.Tensor  # int32 [rows, vocab]: how often each token occurs in a row's output
+    prompt_token_mask: torch.Tensor  # bool [rows, vocab]: whether it occurs in the row's prompt
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogitsProcessorsMetadata:
-    """One step's inputs for the processors, on the device; each is None when no row uses it."""
+    """A batch's inputs for the processors, on the device; each is None when no row uses it."""
 
-    # allowed_token_ids: the step rows it restricts, and (row, token id) of each allowed token.
+    # allowed_token_ids: the rows it restricts, and (row, token id) of each allowed token.
     allowed_rows: torch.Tensor | None = None
     allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
-    token_biases: TokenBiases | None = None
+    logit_bias: TokenBiases | None = None
+    bans: TokenBiases | None = None  # this step's: min_tokens and bad words
     penalties: Penalties | None = None
 
 
@@ -61,9 +62,9 @@ def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMeta
         banned[metadata.allowed_rows] = True
         banned[metadata.allowed_token_ids] = False
         logits.masked_fill_(banned, float("-inf"))
-    biases = metadata.token_biases
-    if biases is not None:
-        logits.index_put_((biases.rows, biases.token_ids), biases.values, accumulate=True)
+    for biases in (metadata.logit_bias, metadata.bans):
+        if biases is not None:
+            logits.index_put_((biases.rows, biases.token_ids), biases.values, accumulate=True)
     penalties = metadata.penalties
     if penalties is not None:
         logits[penalties.rows] = apply_penalties(logits[penalties.rows], penalties)
@@ -71,12 +72,13 @@ def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMeta
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties (vLLM's, after OpenAI's definition)."""
-    counts = penalties.output_token_counts
+    """Repetition, then frequency and presence penalties (vLLM's, after OpenAI's definition), on the
+    logits of ``penalties.rows``."""
+    counts = penalties.output_token_counts[penalties.rows]
     in_output = counts > 0
     repetition = penalties.repetition.unsqueeze(-1)
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(in_output | penalties.prompt_token_mask, repeated, logits)
+    logits = torch.where(in_output | penalties.prompt_token_mask[penalties.rows], repeated, logits)
     logits = logits - penalties.frequency.unsqueeze(-1) * counts
     return logits - penalties.presence.unsqueeze(-1) * in_output
 

@@ -1,38 +1,44 @@
-"""Turns the logits of a step into one token per request, on the device, in one batch.
+"""Turns the logits of a step into one token per row, on the device, in one batch.
 
-A batch whose requests use vLLM's logits processors (penalties, bad words, ...) has them applied
-first (``logits_processors.py``), so the greedy argmax and both routes see the processed logits.
-Greedy rows take the argmax. Random rows are scaled by temperature, filtered by min-p and top-k /
-top-p (a threshold per row, from the row's top candidates: no sort of the vocabulary unless a row
-uses top-p without top-k), and drawn with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no
-cumulative sums and lets each seeded row draw its noise from its own generator, so its tokens do not
-depend on the batch. A Sampler built with ``use_triton`` draws every batch that samples with the
-Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then
-Gumbel-max inside it, with a Philox seed per row, so the same independence holds); a batch with
-min-p, top-k or top-p rows filters the scaled logits here first.
+First, when a row of the batch asks for logprobs, the raw logprobs of every row are taken (vLLM's
+default ``raw_logprobs``: the log-softmax of the model's logits, before anything below changes
+them): the sampled token's and as many top tokens as the row that asks for most. Then a
+structured-output step's grammar bitmask sets every token a grammar forbids to -inf, and vLLM's
+logits processors (``logits_processors.py``: penalties, bad words, ...) apply, so the greedy argmax
+and both routes see the processed logits. Greedy rows take the argmax. Random rows are scaled by
+temperature, filtered by min-p and top-k / top-p (a threshold per row, from the row's top
+candidates: no sort of the vocabulary unless a row uses top-p without top-k), and drawn with the
+exponential race (argmax of p / E with E ~ Exp(1)), which needs no cumulative sums and lets each
+seeded row draw its noise from its own generator, so its tokens do not depend on the batch. A
+Sampler built with ``use_triton`` draws every batch that samples with the Triton sampler instead
+(``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it,
+with a Philox seed per row, so the same independence holds); a batch with min-p, top-k or top-p
+rows filters the scaled logits here first.
 
-When a row of the batch asks for logprobs, the sampler also returns for every row the raw logprobs
-(``logprobs.py``) of its sampled token and of as many top tokens as the row that asks for most:
-computed from the logits it was given, before it scales or filters them.
+The runner's ``InputBatch`` makes a batch's ``SamplingMetadata`` from its rows' settings when its
+rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it bans and its bitmask.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer
-from micro_vllm.sampling.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, copy_to_host
+from micro_vllm.outputs import LogprobsLists
 from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, apply_logits_processors, apply_min_p
 
 
 SEED_POOL_SIZE = 4096  # the engine stream's seeds drawn at once for the Triton sampler
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingMetadata:
+    """What the sampler needs to know of a batch's rows, on the device (vLLM's name)."""
+
     temperature: torch.Tensor  # float32 [n]; 0 means greedy
     top_k: torch.Tensor | None  # int32 [n], 0 = off; None when no row uses it
     top_p: torch.Tensor | None  # float32 [n], 1 = off; None when no row uses it
@@ -48,12 +54,60 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # float32 [n], 0 = off; None when no row uses it
     # How many of each row's best logits top-k / top-p need to see (``max_top_k``); None: whole rows.
     max_top_k: int | None = None
+    # int32 [n, words] on the host, xgrammar's layout (token t is bit t % 32 of word t // 32): the
+    # tokens each row's grammar allows, all ones for a row without one; None: no row has one.
+    grammar_bitmask: torch.Tensor | None = None
 
 
-@dataclass
+class LogprobsTensors(NamedTuple):
+    """One row per position (vLLM's name): the position's own token first, then the top k, best first."""
+
+    logprob_token_ids: torch.Tensor  # int64 [n, 1 + k]
+    logprobs: torch.Tensor  # float32 [n, 1 + k]
+    ranks: torch.Tensor  # int64 [n]: of the own token in the whole vocabulary, 1 the best
+
+    def to_host(self) -> LogprobsTensors:
+        """Pinned host copies, queued without blocking (see ``copy_to_host``)."""
+        return LogprobsTensors(*(copy_to_host(t) for t in self))
+
+    def tolists(self) -> LogprobsLists:
+        return LogprobsLists(self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist())
+
+    @staticmethod
+    def cat(chunks: list[LogprobsTensors]) -> LogprobsTensors:
+        """The rows of several chunks of positions, in order (the chunks share their k)."""
+        return LogprobsTensors(*(torch.cat(parts) for parts in zip(*chunks)))
+
+
+@dataclass(frozen=True)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # int64 [n]
     logprobs_tensors: LogprobsTensors | None  # when a row asked: its sampled token's and the top max_num_logprobs
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """The raw logprobs (vLLM's default ``logprobs_mode``): the log-softmax of the model's logits."""
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    """The top ``num_logprobs`` of each row of ``logprobs`` [n, vocab], behind the row's own token
+    ``token_ids`` [n], its logprob and its rank: 1 + the number of other tokens at least as likely
+    (vLLM's count, so a token tied with others takes the last of their ranks)."""
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    token_ids = token_ids.long().unsqueeze(-1)
+    token_logprobs = logprobs.gather(-1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    return LogprobsTensors(torch.cat((token_ids, top_ids), dim=1), torch.cat((token_logprobs, top_logprobs), dim=1),
+                           ranks)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit whose bit in ``bitmask`` (int32 words, xgrammar's layout,
+    covering the whole logits width) is 0."""
+    words = bitmask.to(logits.device, non_blocking=True)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
+    logits.masked_fill_(bits.flatten(1)[:, : logits.shape[1]] == 0, float("-inf"))
 
 
 def max_top_k(top_k: np.ndarray, top_p: np.ndarray) -> int | None:
@@ -127,13 +181,14 @@ def _top_p_threshold(logits: torch.Tensor, candidates: torch.Tensor, top_k_thres
 class Sampler:
     """Draws one token per row. Rows without a seed of their own draw from the engine's ``seed``:
     through a torch generator, or with ``use_triton`` through a stream of Philox seeds, staged for at
-    most ``max_num_reqs`` rows."""
+    most ``max_num_reqs`` rows. Which argmax and which route it takes is chosen once, here."""
 
     def __init__(self, use_triton: bool, seed: int = 0, device: torch.device = torch.device("cpu"),
                  max_num_reqs: int = 0) -> None:
         self.use_triton = use_triton
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.argmax = cpu_argmax if device.type == "cpu" else _device_argmax
         if use_triton:
             from micro_vllm.sampling import triton_sampler
 
@@ -143,21 +198,23 @@ class Sampler:
             self.seed_pool_start = 0
             self.seeds = CpuGpuBuffer((max_num_reqs,), torch.int64, device)
 
-    def add_row_seeds(self, metadata: SamplingMetadata, row_seeds: dict[int, int]) -> None:
-        """Give the batch's seeded rows (row -> seed) to the route that will draw them: for the Triton
-        sampler a Philox seed for every row (the others from the engine's stream), copied to the
-        device without blocking; else a torch generator per seeded row. The runner calls it while it
-        stages a step's inputs, so the copy is one of the step's copies it waits for."""
+    def add_row_seeds(self, metadata: SamplingMetadata, row_seeds: dict[int, int]) -> SamplingMetadata:
+        """The batch's metadata with its seeded rows (row -> seed) given to the route that will draw
+        them: for the Triton sampler a Philox seed for every row (the others from the engine's
+        stream), copied to the device without blocking; else a torch generator per seeded row. The
+        runner calls it while it stages a step's inputs, so the copy is one of the step's copies it
+        waits for."""
         if self.use_triton and not metadata.all_greedy:
             n = len(metadata.temperature)
             seeds = self.seeds.np[:n]
             seeds[:] = self._next_seeds(n)
             if row_seeds:
                 seeds[list(row_seeds)] = list(row_seeds.values())
-            metadata.seeds = self.seeds.copy_to_device(n)
-        else:
-            metadata.generators = {row: torch.Generator(device=self.device).manual_seed(seed)
-                                   for row, seed in row_seeds.items()}
+            return replace(metadata, seeds=self.seeds.copy_to_device(n))
+        if not row_seeds:
+            return metadata
+        return replace(metadata, generators={row: torch.Generator(device=self.device).manual_seed(seed)
+                                             for row, seed in row_seeds.items()})
 
     def _next_seeds(self, n: int) -> np.ndarray:
         """The engine stream's next ``n`` seeds. A draw costs mostly its call, so they are drawn
@@ -172,8 +229,12 @@ class Sampler:
         return self.seed_pool[start : start + n]
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """One token per row of ``logits`` (changed in place by a grammar bitmask), with the raw
+        logprobs the batch asks for."""
         num_logprobs = metadata.max_num_logprobs
         raw_logprobs = None if num_logprobs is None else compute_logprobs(logits)
+        if metadata.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, metadata.grammar_bitmask)
         sampled = self.sample(logits, metadata)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None)
@@ -183,7 +244,7 @@ class Sampler:
         if metadata.logits_processors is not None:
             logits = apply_logits_processors(logits, metadata.logits_processors)
         if metadata.all_greedy:
-            return argmax(logits)
+            return self.argmax(logits)
         filtered = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
         if metadata.seeds is not None and not filtered:
             return self.triton_sample(logits, metadata.temperature, metadata.seeds)
@@ -203,25 +264,29 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():
             noise[row].exponential_(generator=generator)
-        sampled = argmax(probs.div_(noise))
+        sampled = self.argmax(probs.div_(noise))
         if metadata.all_random:
             return sampled
-        return torch.where(temperature > 0, sampled, argmax(logits))
+        return torch.where(temperature > 0, sampled, self.argmax(logits))
+
+
+def _device_argmax(scores: torch.Tensor) -> torch.Tensor:
+    return scores.argmax(dim=-1)
 
 
 ARGMAX_CHUNK = 128  # vocabulary entries per chunk of the CPU argmax's first pass
 
 
-def argmax(scores: torch.Tensor) -> torch.Tensor:
-    """Each row's ``argmax`` over the last axis, as ``torch.argmax`` gives it (the lowest index among
-    ties; a NaN counts as the largest).
+def cpu_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's ``argmax`` over the last axis of CPU ``scores``, as ``torch.argmax`` gives it (the
+    lowest index among ties; a NaN counts as the largest).
 
     On CPU ``argmax``'s kernel tracks an index beside every value and is several times slower than the
     vectorized ``amax``; so the rows are cut into chunks, ``amax`` finds each chunk's largest value,
     and ``argmax`` runs only over those maxima and then inside the first chunk holding the row's
     largest: the same index, the lowest among ties, reading the row once."""
     vocab = scores.shape[-1]
-    if scores.device.type != "cpu" or vocab % ARGMAX_CHUNK:
+    if vocab % ARGMAX_CHUNK:
         return scores.argmax(dim=-1)
     chunks = scores.reshape(-1, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)
     best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [rows]

@@ -1,7 +1,8 @@
 """The start-up runs, apart from the step path: the profiling run that measures peak activation
 memory, the warm-up that compiles kernels, and the one that leaves the allocators ready for serving,
 all as dummy steps that read the null block and write nowhere; and the run of what a step launches
-outside its CUDA graph, which loads those kernels."""
+outside its CUDA graph, which loads those kernels. They go through the runner's public phases
+(``dummy_inputs``, ``run_model``, ``compute_logits``) and sample with a Sampler of their own."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from micro_vllm.core.kv_cache_manager import make_kv_cache_groups
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
-from micro_vllm.worker.input_buffers import InputBuffers
 
 if TYPE_CHECKING:
     from micro_vllm.worker.model_runner import ModelRunner
@@ -23,14 +22,10 @@ def profile_run(runner: ModelRunner) -> None:
     """Run the largest step the scheduler can plan, with a one-block KV cache, to measure peak
     activation memory."""
     settings = runner.settings
-    layers = runner.model.attention_layers()
-    for layer in layers:
-        layer.kv_cache = torch.zeros(2, 1, settings.block_size, layer.num_kv_heads, layer.head_size,
-                                     dtype=settings.dtype, device=runner.device)
+    runner.allocate_kv_cache(1)
     dummy_step(runner, profile_query_lens(settings.max_num_seqs, settings.max_num_batched_tokens,
                                           settings.max_model_len))
-    for layer in layers:
-        layer.kv_cache = torch.empty(0)
+    runner.allocate_kv_cache(0)
 
 
 @torch.inference_mode()
@@ -65,24 +60,24 @@ def load_eager_kernels(runner: ModelRunner) -> None:
       number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), each
       on one row and on two, as a library may pick its kernel by the row count (cuBLAS does);
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
-      int64 gather and scatter, ``ModelRunner._prepare_input_ids``).
+      int64 ``index_select`` and ``index_copy_``, ``ModelRunner._input_ids``).
     """
-    settings, device = runner.settings, runner.device
-    hidden = torch.zeros(settings.max_num_seqs, runner.model.config.hidden_size, dtype=settings.dtype, device=device)
+    settings = runner.settings
+    hidden = runner.run_model(runner.dummy_inputs(np.ones(settings.max_num_seqs, np.int32)))
     for num_rows in range(1, len(hidden) + 1):
-        logits = runner.model.compute_logits(hidden[:num_rows])
+        logits = runner.compute_logits(hidden[:num_rows])
     vocab_size = logits.shape[-1]
     candidate_counts = [1 << i for i in range((vocab_size - 1).bit_length())] + [vocab_size]
-    sampler = Sampler(runner.sampler.use_triton, device=device, max_num_reqs=2)  # as in dummy_step
+    sampler = own_sampler(runner, max_num_reqs=2)
     for num_rows in (1, 2):
         rows_logits = logits[:num_rows]
         dummy_sample(sampler, rows_logits, greedy=True)
         dummy_sample(sampler, rows_logits, top_p=0.9)
         for count in candidate_counts:
             sampled = dummy_sample(sampler, rows_logits, top_k=count, top_p=0.9, max_top_k=count)
-    input_ids = torch.zeros(len(sampled), dtype=torch.int64, device=device)
-    rows = torch.arange(len(sampled), device=device)
-    input_ids[rows] = sampled[rows]
+    input_ids = torch.zeros(len(sampled), dtype=torch.int64, device=settings.device)
+    rows = torch.arange(len(sampled), device=settings.device)
+    input_ids.index_copy_(0, rows, sampled.index_select(0, rows))
 
 
 @torch.inference_mode()
@@ -108,29 +103,21 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     """A forward pass and sampling over dummy requests with these query lengths. Every position
     reads block 0 and writes nowhere: the values are garbage, the memory use and the kernels run
     are real."""
-    settings, device = runner.settings, runner.device
-    num_reqs, num_tokens = len(query_lens), int(query_lens.sum())
-    max_query_len = int(query_lens.max())
-    layers = runner.model.attention_layers()
-    # Step buffers of the dummy's own, laid out as the runner's: Triton specialises kernels on the
-    # block table's row stride. Their block tables stay all zeros.
-    buffers = InputBuffers(layers, runner.attn_backend, make_kv_cache_groups([layer.spec for layer in layers]),
-                           num_reqs, num_tokens, settings.max_model_len, settings.block_size, device)
-    np.cumsum(query_lens, out=buffers.query_start_loc.np[1:])
-    buffers.seq_lens.np[:] = query_lens
-    buffers.positions.np[:] = np.concatenate([np.arange(n) for n in query_lens])
-    for slot_mapping in buffers.slot_mappings:
-        slot_mapping.np[:] = -1
-    metadata = buffers.attention_metadata(num_reqs, num_tokens, max_query_len, max_query_len, num_cols=1)
-    hidden = runner.model(buffers.input_ids.copy_to_device(num_tokens), buffers.positions.copy_to_device(num_tokens),
-                          metadata)
-    logits = runner.model.compute_logits(hidden[buffers.query_start_loc.device[1:].long() - 1])
+    inputs = runner.dummy_inputs(query_lens)
+    logits = runner.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
     # Sampling with top-k / top-p over whole sorted rows (the sort is the sampler's largest buffer) and
     # without a filter, so the variants of both sampler kernels (model-dtype and fp32 logits) compile
-    # here. A Sampler of its own keeps the engine's seed streams and torch's global one untouched.
-    sampler = Sampler(runner.sampler.use_triton, device=device, max_num_reqs=num_reqs)
+    # here.
+    sampler = own_sampler(runner, max_num_reqs=len(query_lens))
     dummy_sample(sampler, logits, top_k=50, top_p=0.9)
     dummy_sample(sampler, logits)
+
+
+def own_sampler(runner: ModelRunner, max_num_reqs: int) -> Sampler:
+    """A Sampler on the runner's route, of its own: the engine's seed streams and torch's global one
+    stay untouched."""
+    settings = runner.settings
+    return Sampler("sampler" in settings.custom_ops, device=settings.device, max_num_reqs=max_num_reqs)
 
 
 def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False, top_k: int | None = None,
@@ -148,8 +135,8 @@ def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False
     else:
         metadata = SamplingMetadata(full(1.0), None if top_k is None else full(top_k, torch.int32),
                                     None if top_p is None else full(top_p), all_greedy=False, all_random=True,
-                                    seeds=full(0, torch.int64) if sampler.use_triton else None, max_top_k=max_top_k)
-    return sampler(logits, metadata).sampled_token_ids
+                                    max_top_k=max_top_k)
+    return sampler(logits, sampler.add_row_seeds(metadata, {})).sampled_token_ids
 
 
 def profile_query_lens(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> np.ndarray:

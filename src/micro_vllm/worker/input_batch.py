@@ -1,25 +1,37 @@
-"""The runner's persistent batch: per-request token ids, progress and block tables as numpy rows.
+"""The runner's persistent batch (vLLM's ``InputBatch``): one row per request the runner holds, as
+numpy columns that persist across steps and change only by the plans' deltas.
 
-Rows survive from step to step and are updated from the plan's deltas, so preparing a step is a
-few vectorized gathers instead of rebuilding Python lists for every request.
+The batch's first ``num_reqs`` rows are the step's requests in the step's order: the plan's cached
+requests, then its new ones (``arrange``). So row i is the step's request i, and its logits row and
+sampled token are row i too; a step gathers nothing by request. The requests a plan leaves out for a
+step keep their rows behind those, and are moved back in when planned again.
 
-Requests that use vLLM's logits processors (``sampling/logits_processors.py``) keep their settings
-with their row, and ``logits_processors_metadata`` gathers a step's inputs for those rows only. The
-penalties count tokens on the device (``TokenCounts``), so that the token a step samples counts at
-the next step although the host does not know it yet (async scheduling).
+The sampling settings are columns too, and the batch's ``SamplingMetadata`` is made from them when
+its rows change (``refresh_sampling_metadata``): for most steps, the last one serves. What depends
+on the step is added to it per step: the seeds of seeded rows (``row_seeds``: a row's seed and the
+position of the token it samples) and the tokens ``min_tokens`` and ``bad_words`` ban
+(``step_sampling_metadata``).
+
+The token ids are the plans' (a new request's, then each step's ``new_token_ids``); the newest token
+of a request may still be on the device only, where the last step sampled it. The penalties count
+tokens on the device (``TokenCounts``), and bad words compare the newest token on the device, so that
+async scheduling needs no token on the host before the step that follows it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from micro_vllm.core.scheduler_output import BlockIds, NewRequestData
-from micro_vllm.cpu_gpu_buffer import to_device
+from micro_vllm.core.scheduler_output import BlockIds, CachedRequestData, NewRequestData
+from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, to_device
 from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, Penalties, TokenBiases
 from micro_vllm.sampling.params import SamplingParams
+from micro_vllm.sampling.sampler import SamplingMetadata, max_top_k
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,8 @@ class TokenCounts:
     def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         self.output.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
 
-    def move_row(self, src: int, dst: int) -> None:
+    def move_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
+        dst, src = to_device(dst, self.device), to_device(src, self.device)
         self.output[dst] = self.output[src]
         self.prompt_mask[dst] = self.prompt_mask[src]
 
@@ -76,32 +89,38 @@ class TokenCounts:
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: list[int], vocab_size: int,
                  device: torch.device) -> None:
-        self.req_ids: list[str] = []  # row i holds req_ids[i]; rows stay dense
+        self.req_ids: list[str] = []  # row i holds req_ids[i]
         self.row_of: dict[str, int] = {}
-        # Changes whenever a row may change hands (a request leaves, or the last row moves into its
-        # place): what a step derived from its rows (its sampling settings, where its sampled tokens
-        # go) stays valid while this is unchanged. A new request only ever takes a row past the end.
-        self.rows_version = 0
-        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
-        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_reqs, np.int32)  # with those sampled but not yet on the host
-        self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
-        self.block_tables = [np.zeros((max_num_reqs, n), np.int32) for n in max_blocks_per_req]
-        self.num_blocks = [np.zeros(max_num_reqs, np.int32) for _ in max_blocks_per_req]
-        self.temperature = np.zeros(max_num_reqs, np.float32)
-        self.top_k = np.zeros(max_num_reqs, np.int32)
-        self.top_p = np.ones(max_num_reqs, np.float32)
-        self.seed = np.full(max_num_reqs, -1, np.int64)  # -1: no seed of its own, or greedy
-        # How many top logprobs a row asks for, of its samples and of its prompt; -1: none.
-        self.num_logprobs = np.full(max_num_reqs, -1, np.int32)
-        self.num_prompt_logprobs = np.full(max_num_reqs, -1, np.int32)
-        # Where the row's token is in the last step's sampled tensor; -1: it sampled nothing there.
-        self.last_sample_index = np.full(max_num_reqs, -1, np.int64)
-        self.min_p = np.zeros(max_num_reqs, np.float32)
-        self.uses_processors = np.zeros(max_num_reqs, bool)
-        self.processors = np.full(max_num_reqs, None, object)  # RequestProcessors, or None
+        self.num_reqs = 0  # the step's requests: rows [0, num_reqs)
         self.vocab_size, self.device = vocab_size, device
+        column = lambda dtype, fill=0: np.full(max_num_reqs, fill, dtype)  # noqa: E731
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
+        self.num_tokens = column(np.int32)  # those whose ids the plans gave
+        self.num_prompt_tokens = column(np.int32)
+        self.num_computed_tokens = column(np.int32)
+        self.block_tables = [np.zeros((max_num_reqs, n), np.int32) for n in max_blocks_per_req]
+        self.num_blocks = [column(np.int32) for _ in max_blocks_per_req]
+        # The sampling settings, staged for the device, where they are copied when the rows change.
+        staged = lambda dtype: CpuGpuBuffer((max_num_reqs,), dtype, device)  # noqa: E731
+        self.temperature = staged(torch.float32)
+        self.top_k = staged(torch.int32)  # 0: off
+        self.top_p = staged(torch.float32)
+        self.min_p = staged(torch.float32)
+        self.seed = column(np.int64, -1)  # -1: no seed of its own, or greedy
+        # How many top logprobs a row asks for, of its samples and of its prompt; -1: none.
+        self.num_logprobs = column(np.int32, -1)
+        self.num_prompt_logprobs = column(np.int32, -1)
+        self.processors = column(object, None)  # RequestProcessors, or None
+        self.uses_processors = column(bool)
+        self.uses_penalties = column(bool)
         self.token_counts: TokenCounts | None = None  # allocated for the first request with penalties
+        # Every one-value-per-row column: they move with their rows (``_reorder``).
+        self.columns = [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, *self.num_blocks,
+                        self.temperature.np, self.top_k.np, self.top_p.np, self.min_p.np, self.seed,
+                        self.num_logprobs, self.num_prompt_logprobs, self.processors, self.uses_processors,
+                        self.uses_penalties]
+        self.changed = True  # the rows changed since the sampling metadata was made
+        self.sampling_metadata: SamplingMetadata | None = None
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -110,9 +129,13 @@ class InputBatch:
         """Drop every row; ``add_request`` writes all of a row's fields again."""
         self.req_ids.clear()
         self.row_of.clear()
-        self.rows_version += 1
+        self.num_reqs = 0
+        self.changed = True
+
+    # -- the plan's deltas ---------------------------------------------------------------------
 
     def add_request(self, new: NewRequestData) -> None:
+        """Give a request the row after the last."""
         row = len(self.req_ids)
         self.req_ids.append(new.req_id)
         self.row_of[new.req_id] = row
@@ -121,33 +144,92 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
-        for group_id in range(len(self.block_tables)):
-            self.num_blocks[group_id][row] = 0
+        for num_blocks in self.num_blocks:
+            num_blocks[row] = 0
         self.append_block_ids(np.array([row]), [new.block_ids])
         params = new.sampling_params
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k if params.top_k > 0 else 0
-        self.top_p[row] = params.top_p
+        self.temperature.np[row] = params.temperature
+        self.top_k.np[row] = max(params.top_k, 0)
+        self.top_p.np[row] = params.top_p
+        self.min_p.np[row] = 0 if params.greedy else params.min_p  # min-p never changes an argmax
         self.seed[row] = params.seed if params.seed is not None and not params.greedy else -1
-        self.last_sample_index[row] = -1
-        self.min_p[row] = 0 if params.greedy else params.min_p  # min-p never changes an argmax
-        processors = RequestProcessors.of(new, self.vocab_size)
-        self.processors[row] = processors
-        self.uses_processors[row] = processors is not None
-        if processors is not None and processors.uses_penalties:
-            if self.token_counts is None:
-                self.token_counts = TokenCounts(len(self.processors), self.vocab_size, self.device)
-            self.token_counts.reset_row(row, self.token_ids[row, :n], new.num_prompt_tokens)
         self.num_logprobs[row] = self._num_logprobs(params.logprobs)
         # A request resumed after preemption with output tokens had its whole prompt's logprobs already;
         # a one-token prompt has none to compute.
         needs_prompt_logprobs = n == new.num_prompt_tokens and n > 1
         self.num_prompt_logprobs[row] = self._num_logprobs(params.prompt_logprobs) if needs_prompt_logprobs else -1
+        processors = RequestProcessors.of(new, self.vocab_size)
+        self.processors[row] = processors
+        self.uses_processors[row] = processors is not None
+        self.uses_penalties[row] = processors is not None and processors.uses_penalties
+        if self.uses_penalties[row]:
+            if self.token_counts is None:
+                self.token_counts = TokenCounts(len(self.processors), self.vocab_size, self.device)
+            self.token_counts.reset_row(row, self.token_ids[row, :n], new.num_prompt_tokens)
+        self.changed = True
 
     def _num_logprobs(self, requested: int | None) -> int:
         if requested is None:
             return -1
         return self.vocab_size if requested == -1 else requested
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        """Drop the rows of those of ``req_ids`` the batch holds; the rows after them move up."""
+        rows = [self.row_of[req_id] for req_id in req_ids if req_id in self.row_of]
+        if rows:
+            self._reorder(np.delete(np.arange(len(self.req_ids)), rows))
+
+    def arrange(self, req_ids: list[str]) -> None:
+        """Make ``req_ids``, the step's requests, rows [0, len(req_ids)) in this order; the others
+        keep their order after them."""
+        n = len(req_ids)
+        if n == self.num_reqs and self.req_ids[:n] == req_ids:
+            return
+        step_rows = np.fromiter(map(self.row_of.__getitem__, req_ids), np.int64, n)
+        left_out = np.ones(len(self.req_ids), bool)
+        left_out[step_rows] = False
+        self._reorder(np.concatenate([step_rows, np.flatnonzero(left_out)]))
+        self.num_reqs = n
+
+    def _reorder(self, order: np.ndarray) -> None:
+        """Row i takes what row ``order[i]`` held; rows past ``len(order)`` are dropped. Only the
+        used part of a row's tokens and block tables is moved."""
+        moved = np.flatnonzero(order != np.arange(len(order)))
+        if len(moved):
+            src = order[moved]
+            width = int(self.num_tokens[src].max())
+            self.token_ids[moved, :width] = self.token_ids[src, :width]
+            for table, num_blocks in zip(self.block_tables, self.num_blocks):
+                width = int(num_blocks[src].max())
+                table[moved, :width] = table[src, :width]
+            for column in self.columns:
+                column[moved] = column[src]
+            if self.token_counts is not None:
+                self.token_counts.move_rows(moved, src)
+        self.req_ids = [self.req_ids[row] for row in order.tolist()]
+        self.row_of = {req_id: row for row, req_id in enumerate(self.req_ids)}
+        self.changed = True
+
+    def update_cached(self, cached: CachedRequestData) -> None:
+        """Apply the deltas of the plan's cached requests, rows [0, len(cached.req_ids)) once
+        arranged: how far each is computed, its new blocks and its new tokens."""
+        n = len(cached.req_ids)
+        if not n:
+            return
+        self.num_computed_tokens[:n] = cached.num_computed_tokens
+        new_block_ids = cached.new_block_ids
+        # A request's BlockIds holds a tuple per group, so it is never empty: only None is false.
+        with_blocks = list(itertools.compress(range(n), new_block_ids))
+        if with_blocks:  # most decodes get no new block
+            self.append_block_ids(np.array(with_blocks), [new_block_ids[i] for i in with_blocks])
+        counts = np.fromiter(map(len, cached.new_token_ids), np.int64, n)
+        total = int(counts.sum())
+        if total:  # each row's new tokens go after its known ones
+            rows = np.repeat(np.arange(n), counts)
+            offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+            tokens = np.fromiter(itertools.chain.from_iterable(cached.new_token_ids), np.int32, total)
+            self.token_ids[rows, self.num_tokens[rows] + offsets] = tokens
+            self.num_tokens[:n] += counts.astype(np.int32)
 
     def append_block_ids(self, rows: np.ndarray, block_ids: list[BlockIds]) -> None:
         """Append each row's new blocks (``block_ids[i]``, one tuple per KV cache group, to
@@ -165,97 +247,127 @@ class InputBatch:
                     table[row, start : start + len(ids)] = ids
                     count[row] = start + len(ids)
 
-    def remove_request(self, req_id: str) -> None:
-        """Free a row, moving the last row into it so that rows stay dense."""
-        row = self.row_of.pop(req_id)
-        last = len(self.req_ids) - 1
-        self.rows_version += 1
-        if row != last:
-            moved = self.req_ids[last]
-            self.req_ids[row] = moved
-            self.row_of[moved] = row
-            for array in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens, self.temperature,
-                          self.top_k, self.top_p, self.seed, self.last_sample_index, self.num_logprobs,
-                          self.num_prompt_logprobs, self.min_p, self.uses_processors, self.processors,
-                          *self.num_blocks):
-                array[row] = array[last]
-            if self.token_counts is not None:
-                self.token_counts.move_row(last, row)
-            n = self.num_tokens[row]
-            self.token_ids[row, :n] = self.token_ids[last, :n]
-            for table, count in zip(self.block_tables, self.num_blocks):
-                table[row, : count[row]] = table[last, : count[row]]
-        self.req_ids.pop()
+    # -- sampling ------------------------------------------------------------------------------
 
-    def logits_processors_metadata(self, rows: np.ndarray, last_sampled: torch.Tensor | None
-                                   ) -> LogitsProcessorsMetadata:
-        """The processors' inputs for a step whose sampling rows are the batch rows ``rows``, gathered
-        for the rows that use a processor. ``last_sampled``: the last step's tokens while the host
-        does not have them (``last_sample_index`` says which one is a row's).
+    def refresh_sampling_metadata(self) -> None:
+        """Make the sampling metadata of the step's rows from their columns (called when the rows
+        changed): the settings are copied to the device without blocking."""
+        n = self.num_reqs
+        temperature, top_k, top_p, min_p = (c.np[:n] for c in (self.temperature, self.top_k, self.top_p, self.min_p))
+        num_logprobs = int(self.num_logprobs[:n].max(initial=-1))
+        self.sampling_metadata = SamplingMetadata(
+            temperature=self.temperature.copy_to_device(n),
+            top_k=self.top_k.copy_to_device(n) if top_k.any() else None,
+            top_p=self.top_p.copy_to_device(n) if (top_p < 1).any() else None,
+            all_greedy=bool((temperature == 0).all()),
+            all_random=bool((temperature > 0).all()),
+            max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
+            logits_processors=self._logits_processors() if self.uses_processors[:n].any() else None,
+            min_p=self.min_p.copy_to_device(n) if (min_p > 0).any() else None,
+            max_top_k=max_top_k(top_k, top_p),
+        )
+        self.changed = False
 
-        Bad words need the output's last tokens. All but the newest are on the host; the newest may
-        still be on the device, so the host matches the rest of the word and the device compares the
-        newest token with the word's last prefix token: exact under async scheduling, and nothing
-        waits for the device."""
-        allowed_rows, allowed_entries = [], ([], [])  # step rows; (step row, token id) of each allowed
-        biases = ([], [], [])  # step row, token id, value
-        pending = ([], [], [], [])  # step row, token id, index in last_sampled, the token it must be
-        penalty_rows = ([], [])  # step row, batch row
-        for i in np.flatnonzero(self.uses_processors[rows]).tolist():
-            row = int(rows[i])
-            processors: RequestProcessors = self.processors[row]
-            params = processors.params
-            num_prompt_tokens, num_tokens = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
+    def _logits_processors(self) -> LogitsProcessorsMetadata:
+        """The processors' inputs that last as long as the rows: ``allowed_token_ids``, ``logit_bias``
+        and the penalties (whose token counts the device keeps up to date)."""
+        allowed_rows, allowed_entries = [], ([], [])  # rows; (row, token id) of each allowed token
+        biases = ([], [], [])  # row, token id, value
+        for row in np.flatnonzero(self.uses_processors[: self.num_reqs]).tolist():
+            params = self.processors[row].params
             if params.allowed_token_ids is not None:
-                allowed_rows.append(i)
-                _extend(allowed_entries, i, params.allowed_token_ids)
-            if num_tokens - num_prompt_tokens < params.min_tokens:
-                stop_ids = processors.min_tokens_stop_ids
-                _extend(biases, i, stop_ids, [-np.inf] * len(stop_ids))
+                allowed_rows.append(row)
+                _extend(allowed_entries, row, params.allowed_token_ids)
             if params.logit_bias:
-                _extend(biases, i, params.logit_bias.keys(), params.logit_bias.values())
-            if processors.bad_words_token_ids:
-                newest = int(self.last_sample_index[row]) if last_sampled is not None else -1
-                output = self.token_ids[row, num_prompt_tokens:num_tokens - (newest >= 0)].tolist()
-                banned, pending_bans = _bad_word_bans(processors.bad_words_token_ids, output, newest >= 0)
-                _extend(biases, i, banned, [-np.inf] * len(banned))
-                for token_id, newest_token_id in pending_bans:
-                    _extend(pending, i, [token_id], [newest], [newest_token_id])
-            if processors.uses_penalties:
-                _extend(penalty_rows, i, [row])
-
-        device = self.device
-        on_device = lambda values, dtype=np.int64: to_device(np.array(values, dtype), device)  # noqa: E731
-        metadata = LogitsProcessorsMetadata()
+                _extend(biases, row, params.logit_bias.keys(), params.logit_bias.values())
+        fields = {}
         if allowed_rows:
-            metadata.allowed_rows = on_device(allowed_rows)
-            metadata.allowed_token_ids = (on_device(allowed_entries[0]), on_device(allowed_entries[1]))
-        num_pending = len(pending[0])
-        _extend(biases, pending[0], pending[1], [0.0] * num_pending)
+            fields["allowed_rows"] = _on_device(allowed_rows, self.device)
+            fields["allowed_token_ids"] = tuple(_on_device(entries, self.device) for entries in allowed_entries)
         if biases[0]:
-            values = on_device(biases[2], np.float32)
-            if num_pending:  # -inf where the row's newest token is the word's last prefix token
-                matched = last_sampled[on_device(pending[2])] == on_device(pending[3])
-                values[len(values) - num_pending:].masked_fill_(matched, float("-inf"))
-            metadata.token_biases = TokenBiases(on_device(biases[0]), on_device(biases[1]), values)
-        if penalty_rows[0]:
-            step_rows, batch_rows = penalty_rows
-            params = [self.processors[row].params for row in batch_rows]
-            batch_rows = on_device(batch_rows)
-            metadata.penalties = Penalties(
-                rows=on_device(step_rows),
-                presence=on_device([p.presence_penalty for p in params], np.float32),
-                frequency=on_device([p.frequency_penalty for p in params], np.float32),
-                repetition=on_device([p.repetition_penalty for p in params], np.float32),
-                output_token_counts=self.token_counts.output[batch_rows],
-                prompt_token_mask=self.token_counts.prompt_mask[batch_rows],
-                batch_rows=batch_rows,
+            fields["logit_bias"] = self._token_biases(biases)
+        penalty_rows = np.flatnonzero(self.uses_penalties[: self.num_reqs])
+        if len(penalty_rows):
+            params = [self.processors[row].params for row in penalty_rows.tolist()]
+            fields["penalties"] = Penalties(
+                rows=to_device(penalty_rows, self.device),
+                presence=_on_device([p.presence_penalty for p in params], self.device, np.float32),
+                frequency=_on_device([p.frequency_penalty for p in params], self.device, np.float32),
+                repetition=_on_device([p.repetition_penalty for p in params], self.device, np.float32),
+                output_token_counts=self.token_counts.output,
+                prompt_token_mask=self.token_counts.prompt_mask,
             )
-        return metadata
+        return LogitsProcessorsMetadata(**fields)
+
+    def step_sampling_metadata(self, seq_lens: np.ndarray, prev_sampled_token_ids: torch.Tensor | None,
+                               prev_req_id_to_index: dict[str, int]) -> SamplingMetadata:
+        """The batch's sampling metadata with the tokens this step bans: a row's ``min_tokens`` stop
+        tokens while its output is shorter, and the last token of each bad word whose other tokens
+        end its output. ``seq_lens``: each row's tokens once the step is computed; a row that has one
+        token more than the batch knows finds it in ``prev_sampled_token_ids``.
+
+        All but a row's newest output token are on the host; the newest may still be on the device,
+        so the host matches the rest of the word and the device compares the newest token with the
+        word's last prefix token: exact under async scheduling, and nothing waits for the device."""
+        metadata = self.sampling_metadata
+        if metadata.logits_processors is None:
+            return metadata
+        bans = ([], [], [])  # row, token id, value
+        pending = ([], [], [], [])  # row, token id, index in prev_sampled_token_ids, the token it must be
+        for row in np.flatnonzero(self.uses_processors[: self.num_reqs]).tolist():
+            processors: RequestProcessors = self.processors[row]
+            num_prompt_tokens, num_known = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
+            if seq_lens[row] - num_prompt_tokens < processors.params.min_tokens:
+                _extend(bans, row, processors.min_tokens_stop_ids, [-np.inf] * len(processors.min_tokens_stop_ids))
+            if processors.bad_words_token_ids:
+                newest = prev_req_id_to_index.get(self.req_ids[row], -1) if seq_lens[row] > num_known else -1
+                output = self.token_ids[row, num_prompt_tokens:num_known].tolist()
+                banned, pending_bans = _bad_word_bans(processors.bad_words_token_ids, output, newest >= 0)
+                _extend(bans, row, banned, [-np.inf] * len(banned))
+                for token_id, newest_token_id in pending_bans:
+                    _extend(pending, row, [token_id], [newest], [newest_token_id])
+        num_pending = len(pending[0])
+        _extend(bans, pending[0], pending[1], [0.0] * num_pending)
+        if not bans[0]:
+            return metadata
+        token_bans = self._token_biases(bans)
+        if num_pending:  # -inf where the row's newest token is the word's last prefix token
+            matched = (prev_sampled_token_ids[_on_device(pending[2], self.device)]
+                       == _on_device(pending[3], self.device))
+            token_bans.values[len(bans[0]) - num_pending:].masked_fill_(matched, float("-inf"))
+        return replace(metadata, logits_processors=replace(metadata.logits_processors, bans=token_bans))
+
+    def _token_biases(self, entries: tuple[list, list, list]) -> TokenBiases:
+        rows, token_ids, values = entries
+        return TokenBiases(_on_device(rows, self.device), _on_device(token_ids, self.device),
+                           _on_device(values, self.device, np.float32))
+
+    def row_seeds(self, seq_lens: np.ndarray) -> dict[int, int]:
+        """The seed of each seeded row for the token it samples this step. A seeded row's randomness
+        depends only on (seed, output position): it survives preemption and does not depend on what
+        else is in the batch."""
+        seeded = np.flatnonzero(self.seed[: self.num_reqs] >= 0)
+        if not len(seeded):
+            return {}
+        positions = seq_lens[seeded] - self.num_prompt_tokens[seeded]
+        return {int(row): hash((int(self.seed[row]), int(position))) & (2**63 - 1)
+                for row, position in zip(seeded, positions)}
+
+    def count_sampled_tokens(self, sampled_token_ids: torch.Tensor, samples: np.ndarray) -> None:
+        """Count, on the device, the tokens the rows with penalties sampled (``samples``: whose
+        sample is a new token, not a prompt chunk's)."""
+        rows = np.flatnonzero(self.uses_penalties[: self.num_reqs] & samples)
+        if len(rows):
+            rows = to_device(rows, self.device)
+            self.token_counts.count(rows, sampled_token_ids[rows])
+
+
+def _on_device(values: list, device: torch.device, dtype=np.int64) -> torch.Tensor:
+    return to_device(np.array(values, dtype), device)
 
 
 def _extend(entries: tuple[list, ...], rows: int | list[int], *columns) -> None:
-    """Append entries to parallel lists: the step row (one for all, or one each), then the columns."""
+    """Append entries to parallel lists: the row (one for all, or one each), then the columns."""
     columns = [list(column) for column in columns]
     entries[0].extend(rows if isinstance(rows, list) else [rows] * len(columns[0]))
     for entry, column in zip(entries[1:], columns):

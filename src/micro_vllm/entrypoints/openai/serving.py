@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
-from micro_vllm.engine.output import CompletionOutput, RequestOutput
+from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
 from micro_vllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
