@@ -50,7 +50,7 @@ def new_request(req_id: str, prompt: list[int], block: int, **params) -> NewRequ
 
 
 def cached(req_ids: list[str], new_token_ids: list[tuple[int, ...]]) -> CachedRequestData:
-    return CachedRequestData(tuple(req_ids), (None,) * len(req_ids), (0,) * len(req_ids), tuple(new_token_ids))
+    return CachedRequestData(tuple(req_ids), tuple(new_token_ids), (None,) * len(req_ids), (0,) * len(req_ids))
 
 
 def test_rows_follow_the_step_with_their_tokens_blocks_and_settings():
