@@ -6,6 +6,7 @@ backend) are resolved by the layer that owns them (the Worker), not written back
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,14 +168,15 @@ class CacheConfig:
             raise reject("kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
 
 
-EXECUTOR_BACKENDS = ("mp", "uni")  # vLLM's names; "ray" (several nodes) is not served yet
+EXECUTOR_BACKENDS = ("mp", "ray", "uni")  # vLLM's names
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over devices (vLLM's names): ``tensor_parallel_size`` ranks, each
     holding a slice of every layer, and the executor that runs them: "uni" (one rank, in the
-    engine's process) or "mp" (one process per rank). None picks "uni" for one rank, else "mp"."""
+    engine's process), "mp" (one process per rank) or "ray" (one Ray actor per rank, on one node or
+    several; Ray is an optional dependency). None picks "uni" for one rank, else "mp"."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -182,13 +184,13 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_field(self, "tensor_parallel_size", check_int, 1)
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise reject("distributed_executor_backend", backend, f"None or one of {EXECUTOR_BACKENDS}: 'ray' "
-                         "(several nodes) is not supported yet")
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise reject("distributed_executor_backend", backend, f"None or one of {EXECUTOR_BACKENDS}")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
+                             "pip install 'micro-vllm[ray]' (from a checkout: pip install -e '.[ray]')")
         if backend == "uni" and self.tensor_parallel_size > 1:
-            raise reject("distributed_executor_backend", backend, f"'mp' or None: 'uni' runs one rank and "
+            raise reject("distributed_executor_backend", backend, f"'mp', 'ray' or None: 'uni' runs one rank and "
                          f"tensor_parallel_size is {self.tensor_parallel_size}")
         if backend is None:
             object.__setattr__(self, "distributed_executor_backend", "uni" if self.tensor_parallel_size == 1 else "mp")

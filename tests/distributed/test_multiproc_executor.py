@@ -18,13 +18,21 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from helpers.core_helpers import check_all_free, token_ids
+from helpers.distributed import process_running
 from helpers.failing_rank import LlamaConfigFailingOnRank1
-from helpers.fault_workload import PARAMS, PROMPTS, expected, make_llm, model_dir, record_preemptions  # noqa: F401
+from helpers.fault_workload import (  # noqa: F401
+    PARAMS,
+    PROMPTS,
+    expected,
+    make_llm,
+    model_dir,
+    record_preemptions,
+    roll_back_a_run,
+)
 from helpers.tiny_models import make_tiny_model
 from micro_vllm.engine.arg_utils import EngineArgs
 from micro_vllm.engine.exceptions import EngineDeadError
@@ -49,13 +57,7 @@ def test_one_rank_in_its_own_process_gives_the_in_process_tokens(mp_llm, expecte
 
 
 def test_a_rollback_reaches_the_worker(mp_llm, expected):
-    engine = mp_llm.engine
-    for index in range(2):
-        engine.add_request(f"dropped-{index}", PROMPTS[index], PARAMS[index])
-    for _ in range(3):
-        engine.step()
-    engine.abort_all_requests()  # the worker forgets every request; the outputs in flight are never read
-    check_all_free(engine.scheduler)
+    roll_back_a_run(mp_llm)
     assert token_ids(mp_llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
 
 
@@ -107,15 +109,7 @@ def test_a_worker_never_outlives_its_parent(model_dir, tmp_path):
         parent.kill()  # SIGKILL: the parent gets no chance to stop its worker
         parent.wait()
     deadline = time.monotonic() + GONE_WITHIN_S
-    while _running(worker_pid) and time.monotonic() < deadline:
+    while process_running(worker_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(worker_pid)
+    assert not process_running(worker_pid)
 
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited (a zombie has)."""
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False

@@ -7,6 +7,7 @@ results in rank order; ``fn`` must be importable by name (a module-level functio
 or helper) and its arguments picklable. An error on any rank fails the call with that rank's
 traceback and closes the pool (the other ranks may wait in a collective that will never complete).
 Starting the processes is what costs: share one pool across tests, and start another once one is closed.
+``process_running(pid)`` tells whether a process the tests started is still there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import multiprocessing
 import os
 import traceback
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -88,3 +90,12 @@ def _serve(rank: int, world_size: int, address: str, conn: Connection) -> None:
             conn.send(("error", traceback.format_exc()))
     os._exit(0)  # skips the interpreter's teardown, seconds of unloading torch
 
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -65,6 +65,18 @@ def expected(model_dir):
     return token_ids(fresh_outputs(model_dir, PROMPTS, PARAMS))
 
 
+def roll_back_a_run(llm: LLM) -> None:
+    """Start two requests, run three steps, then roll back (as a failed step does): the runners forget
+    every request, and the outputs of the steps in flight are never read."""
+    engine = llm.engine
+    for index in range(2):
+        engine.add_request(f"dropped-{index}", PROMPTS[index], PARAMS[index])
+    for _ in range(3):
+        engine.step()
+    engine.abort_all_requests()
+    check_all_free(engine.scheduler)
+
+
 def check_nothing_left(llm: LLM) -> None:
     """No request, block, in-flight step, unconfirmed hash, runner row or prompt record is left."""
     engine = llm.engine

@@ -79,7 +79,8 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(ParallelConfig.tensor_parallel_size, int, "devices the model is split over",
                                      short="-tp")
     distributed_executor_backend: str | None = _arg(ParallelConfig.distributed_executor_backend, str,
-                                                    "uni (one rank, in this process) or mp (a process per rank)")
+                                                    "uni (one rank, in this process), mp (a process per rank) "
+                                                    "or ray (a Ray actor per rank, on one node or several)")
     # LLMConfig
     trace: Any = _arg(None, None, "a JSON-lines path or an object with emit(event)")
     # Not part of the engine's config

@@ -69,9 +69,7 @@ class LLMEngine:
         # The SamplingParams fields the model recommends (LLM.get_default_sampling_params).
         self.default_sampling_overrides = default_sampling_overrides(path, model_config.generation_config)
 
-        # "uni": the one rank in this process; "mp": a process per rank (ParallelConfig picks).
-        multiproc = config.parallel_config.distributed_executor_backend == "mp"
-        executor_cls = MultiprocExecutor if multiproc else SingleProcessExecutor
+        executor_cls = _executor_class(config.parallel_config.distributed_executor_backend)
         self.executor: Executor = executor_cls(config, path, hf_config, self.max_model_len)
         try:
             groups = make_kv_cache_groups(self.executor.get_attention_specs())
@@ -381,6 +379,16 @@ def _resolve_max_model_len(config: LLMConfig, hf_config) -> int:
             f"max_model_len={requested} is not allowed; this model supports at most {model_limit} tokens"
         )
     return requested
+
+
+def _executor_class(backend: str) -> type[Executor]:
+    """The executor of ``backend``, as ParallelConfig picked it: "uni" runs the one rank in this
+    process, "mp" a process per rank, "ray" a Ray actor per rank (ParallelConfig refuses it without Ray)."""
+    if backend == "ray":
+        from micro_vllm.executor.ray_distributed_executor import RayDistributedExecutor  # Ray is optional
+
+        return RayDistributedExecutor
+    return MultiprocExecutor if backend == "mp" else SingleProcessExecutor
 
 
 def _eos_token_ids(path: Path, hf_config, tokenizer) -> frozenset[int]:
