@@ -4,6 +4,9 @@ structured-output request give what one rank gives offline."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -36,6 +39,9 @@ def test_a_completion_and_a_structured_output_equal_one_rank_offline(server, mod
     choice = client.completions.create(model="tiny", prompt="City: ", max_tokens=8, temperature=0,
                                        extra_body={"structured_outputs": {"choice": CITIES}}).choices[0].text
     assert httpx.get(f"{server}/health").status_code == 200
+    [serve_pid] = [pid for pid in children(os.getpid()) if b"serve" in command_line(pid)]
+    [engine_pid] = spawned_by(serve_pid)
+    assert len(spawned_by(engine_pid)) == 2  # a worker per rank
     with LLM(model=str(model_dir), device="cpu", **SETTINGS) as llm:
         expected = llm.generate([PROMPT, "City: "], [
             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
@@ -43,3 +49,25 @@ def test_a_completion_and_a_structured_output_equal_one_rank_offline(server, mod
         ], use_tqdm=False)
     assert [text, choice] == [output.outputs[0].text for output in expected]
     assert streamed == text and choice in CITIES
+
+
+def spawned_by(pid: int) -> list[int]:
+    """The processes that ``pid`` started through multiprocessing (not its resource tracker)."""
+    return [child for child in children(pid) if b"spawn_main" in command_line(child)]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if parent == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def command_line(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
