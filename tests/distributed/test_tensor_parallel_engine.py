@@ -87,7 +87,8 @@ def test_n_structured_output_and_an_abort_equal_one_rank(two_ranks, one_rank):
     phone, cities = r"[0-9]{3}-[0-9]{4}", ["Paris", "London", "Berlin"]
     requests = [
         (PROMPTS[0], SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)),
-        ("Phone: ", SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(regex=phone))),
+        ("Phone: ", SamplingParams(max_tokens=12, temperature=0,
+                                   structured_outputs=StructuredOutputsParams(regex=phone))),
         ("City: ", SamplingParams(max_tokens=12, temperature=0.7, seed=2,
                                   structured_outputs=StructuredOutputsParams(choice=cities))),
         (PROMPTS[3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),  # aborted

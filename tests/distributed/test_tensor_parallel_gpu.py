@@ -25,7 +25,8 @@ SETTINGS = dict(device="cuda", max_model_len=256, max_num_batched_tokens=64, max
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(256) for _ in range(n)] for n in (1, 7, 23, 37, 61, 100, 150, 12)]
 # Greedy and seeded sampling, alternately.
-PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(len(PROMPTS))]
+PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8 * (i % 2), seed=i)
+          for i in range(len(PROMPTS))]
 
 
 @pytest.fixture(scope="module")

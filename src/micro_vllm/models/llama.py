@@ -22,8 +22,8 @@ from transformers import PretrainedConfig
 
 from micro_vllm.attention.attention import Attention
 from micro_vllm.attention.backends.abstract import AttentionMetadata
-from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.distributed import divide, num_kv_heads_per_rank
+from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from micro_vllm.layers.norm import QKNorm, RMSNorm
 from micro_vllm.layers.qk_norm_rope import QKNormRoPE
