@@ -7,7 +7,7 @@ refused before any process starts.
 
 The model is Qwen3 with one KV head (replicated on both ranks), q/k norm and a sliding window on one
 of its two layers (two KV cache groups). One TP = 2 engine serves the module, its tests in file order:
-the last one kills a worker. (Every family's sharding: test_tensor_parallel_model.py.)
+the last of them kills a worker. (Every family's sharding: test_tensor_parallel_model.py.)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from helpers.core_helpers import check_all_free, token_ids
 from helpers.fault_workload import PARAMS, PROMPTS, expected, make_llm, record_preemptions  # noqa: F401
 from helpers.tiny_models import make_tiny_model
 from micro_vllm import LLM, SamplingParams, StructuredOutputsParams
+from micro_vllm.engine import engine as engine_module
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.executor.multiproc_executor import MultiprocExecutor
 
@@ -142,7 +143,11 @@ def test_a_killed_worker_fails_the_engine_and_leaves_no_process(two_ranks):
      "tensor_parallel_size=4: one must be a multiple of the other"),
     (2, dict(intermediate_size=129), "intermediate_size=129 is not divisible by tensor_parallel_size=2"),
 ])
-def test_a_split_the_model_cannot_make_is_refused_before_any_process_starts(model_dir, ranks, overrides, message):
+def test_a_split_the_model_cannot_make_is_refused_before_any_process_starts(model_dir, monkeypatch, ranks,
+                                                                            overrides, message):
+    def no_executor(*args):
+        raise AssertionError("the executor was built: its worker processes would start")
+
+    monkeypatch.setattr(engine_module, "MultiprocExecutor", no_executor)
     with pytest.raises(ValueError, match=message):
         make_llm(model_dir, tensor_parallel_size=ranks, hf_overrides=overrides)
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("micro-vllm-worker")]
