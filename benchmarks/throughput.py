@@ -5,6 +5,7 @@ workload of ``workloads.py`` (``vllm_workloads.py`` runs the same ones on vLLM).
     python benchmarks/throughput.py --model DIR --compare-hf 16
     python benchmarks/throughput.py --sampling-params '{"logprobs": 5, "top_k": 50}'
     python benchmarks/throughput.py --model DIR --workload shared-prefix
+    python benchmarks/throughput.py --distributed-executor-backend mp   # the model in a worker process
 
 Prints output tokens, seconds and output tokens per second; with ``--compare-hf N`` it also runs
 transformers' continuous batching on the first N requests in the same process, and micro-vLLM on the
@@ -25,6 +26,8 @@ import torch
 from bench_model import build_random_model
 from workloads import WORKLOADS, make_workload
 from micro_vllm import LLM, SamplingParams
+from micro_vllm.executor.multiproc_executor import MultiprocStepOutput
+from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.worker.step_output import DeviceStepOutput
 
 
@@ -68,7 +71,9 @@ def time_phases(llm: LLM):
     ``schedule`` and ``update`` are CPU work. ``execute`` launches the step: input preparation
     (``prepare``), the forward pass (``forward``: a graph replay or eager launches), the logits' and
     the sampler's launches (``sample``); none of it should wait for the GPU. ``get_output`` waits for a step's
-    tokens: with async scheduling, for the step before the one just launched."""
+    tokens: with async scheduling, for the step before the one just launched. With the model in worker
+    processes (``--distributed-executor-backend mp``) the runner's phases are theirs, not timed here, and
+    ``get_output`` waits for rank 0's message."""
     totals: dict[str, float] = defaultdict(float)
 
     def timed(name, method):
@@ -88,11 +93,14 @@ def time_phases(llm: LLM):
         return wrapper
 
     engine = llm.engine
-    runner = engine.executor.worker.model_runner
     wrapped = [(engine.scheduler, "schedule"), (engine.scheduler, "update_from_output", "update"),
-               (engine.executor, "execute_model", "execute"), (engine, "step"),
-               (runner, "prepare_inputs", "prepare"), (runner, "run_model", "forward"), (runner, "sample"),
-               (DeviceStepOutput, "get_output")]
+               (engine.executor, "execute_model", "execute"), (engine, "step")]
+    if isinstance(engine.executor, SingleProcessExecutor):  # the runner is in this process
+        runner = engine.executor.worker.model_runner
+        wrapped += [(runner, "prepare_inputs", "prepare"), (runner, "run_model", "forward"), (runner, "sample"),
+                    (DeviceStepOutput, "get_output")]
+    else:
+        wrapped.append((MultiprocStepOutput, "get_output"))
     saved = []
     for obj, method, *name in wrapped:
         saved.append((obj, method, obj.__dict__.get(method)))
@@ -244,6 +252,10 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", default=None, help="auto (the model's dtype) or fp8")
+    parser.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+                        help="uni: the model in this process (the default for one rank); mp: a worker process per rank "
+                             "(its runner's phases and Triton compilations are not counted here)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="GPUs the model is split over")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of the whole recipe")
     parser.add_argument("--compare-hf", type=int, default=0, metavar="N", help="also run transformers on N requests")
     parser.add_argument("--hf-max-tokens", type=int, default=128, help="output tokens per request in the comparison")
@@ -265,7 +277,9 @@ def main() -> None:
           f"{sum(max_tokens):,} output tokens, max_model_len {max_model_len}")
     engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                          attention_backend=args.attention_backend,
-                                         kv_cache_dtype=args.kv_cache_dtype).items() if v is not None}
+                                         kv_cache_dtype=args.kv_cache_dtype,
+                                         distributed_executor_backend=args.distributed_executor_backend,
+                                         tensor_parallel_size=args.tensor_parallel_size).items() if v is not None}
     start = time.perf_counter()
     llm = LLM(model=model_dir, max_model_len=max_model_len, enforce_eager=args.enforce_eager,
               custom_ops=args.custom_ops, **engine_args)

@@ -1,5 +1,5 @@
 """Each rank reads only its slices of the checkpoint: the parallel layers' ``weight_loader``s index
-the safetensors slices that ``stream_weights(lazy=True)`` hands them, and nothing else is read."""
+the safetensors slices that ``stream_weights`` hands them, and nothing else is read."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def load_from_file(path) -> tuple[dict[str, list], dict[str, torch.Tensor]]:
               "o_proj": RowParallelLinear(NUM_HEADS * HEAD_SIZE, HIDDEN, bias=False),
               "embed_tokens": VocabParallelEmbedding(VOCAB, HIDDEN)}
     reads = {}
-    for name, lazy in stream_weights([path], {}, lazy=True):
+    for name, lazy in stream_weights([path], {}):
         layer, shard_id = TARGETS[name]
         recording = RecordingSlice(lazy)
         param = layers[layer].weight

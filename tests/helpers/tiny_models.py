@@ -3,8 +3,7 @@
 ``make_tiny_model(family, tmp_path)`` writes a complete model directory (config.json, safetensors,
 and a byte-level tokenizer) and returns it; ``load_hf_reference(path)`` loads the same directory
 with transformers, as the reference our outputs are compared with. Everything is seeded, so the
-same family and overrides always give the same weights. ``bind_backend`` and ``layer_metadata`` drive
-one of our models without a ModelRunner, as the runner does.
+same family and overrides always give the same weights.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -26,8 +24,6 @@ from transformers import (
     Qwen3Config,
 )
 
-from micro_vllm.attention.backends.abstract import AttentionMetadata, CommonAttentionMetadata
-from micro_vllm.attention.backends.registry import get_backend_cls
 
 BOS_TOKEN_ID = 256
 EOS_TOKEN_ID = 257
@@ -168,26 +164,6 @@ def load_hf_reference(path: Path) -> PreTrainedModel:
     """The saved model, loaded back by transformers in fp32 with eager attention."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
-
-
-def bind_backend(model: nn.Module, backend: str) -> nn.Module:
-    """Give every attention layer of ``model`` one instance of ``backend``, as the ModelRunner does
-    (the caller binds the KV caches)."""
-    instance = get_backend_cls(backend)()
-    for layer in model.attention_layers():
-        layer.backend = instance
-    return model
-
-
-def layer_metadata(model: nn.Module, common: CommonAttentionMetadata, block_size: int) -> list[AttentionMetadata]:
-    """Each decoder layer's metadata for one step: what its backend's builder builds from ``common``
-    (the runner builds it once per KV cache group, whose layers share a spec)."""
-    return [
-        layer.backend.builder_cls(layer.spec, layer.num_heads, block_size, common.num_reqs, common.seq_lens.device,
-                                  layer.kv_cache.dtype)
-        .build(common)
-        for layer in model.attention_layers()
-    ]
 
 
 def make_tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.tiny_models import bind_backend, layer_metadata, make_tiny_model
+from helpers.paged_run import bind_backend, layer_metadata
+from helpers.tiny_models import make_tiny_model
 
 pytest.importorskip("triton")
 

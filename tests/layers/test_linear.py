@@ -1,5 +1,5 @@
-"""Linear on CPU: the oneDNN layout (several rows) and the transposed weight (one row) give F.linear's
-result on the plain weight."""
+"""The linear layers on one rank on CPU: the oneDNN layout (several rows) and the transposed weight
+(one row) give F.linear's result on the plain weight. (On several ranks: tests/distributed.)"""
 
 from __future__ import annotations
 
@@ -7,14 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from micro_vllm.layers.linear import Linear, MergedLinear, onednn_runs, process_weights_after_loading
+from micro_vllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    onednn_runs,
+    process_weights_after_loading,
+)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_layouts_match_plain_linear(rows: int, bias: bool) -> None:
-    model = torch.nn.Sequential(Linear(48, 80, bias=bias), MergedLinear(80, [16, 8], bias=bias))
+    model = torch.nn.Sequential(ColumnParallelLinear(48, 80, bias=bias), RowParallelLinear(80, 40, bias=bias),
+                                MergedColumnParallelLinear(40, [16, 8], bias=bias))
     plain = [(layer.weight.clone(), None if layer.bias is None else layer.bias.clone()) for layer in model]
     x = torch.randn(rows, 48)
     process_weights_after_loading(model)

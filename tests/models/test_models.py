@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from helpers.tiny_models import FAMILIES, bind_backend, layer_metadata, load_hf_reference, make_tiny_model, tiny_config
+from helpers.paged_run import PagedRun, bind_backend
+from helpers.tiny_models import FAMILIES, load_hf_reference, make_tiny_model, tiny_config
 
 from micro_vllm import LLM, SamplingParams
-from micro_vllm.attention.backends.abstract import CommonAttentionMetadata
 from micro_vllm.layers.activation import SiluAndMul
 from micro_vllm.layers.norm import RMSNorm
 from micro_vllm.layers.rotary import (
@@ -30,7 +30,6 @@ from micro_vllm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from micro_vllm.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 
 ATOL = RTOL = 1e-4
-NUM_BLOCKS = 32
 
 
 @pytest.fixture(scope="module")
@@ -42,55 +41,6 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 def prompts_for(seed: int, lengths: tuple[int, ...] = (5, 11, 18)) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(n)] for n in lengths]
-
-
-class PagedRun:
-    """Drives a model the way the ModelRunner will: own blocks per request, metadata built by hand."""
-
-    def __init__(self, model: torch.nn.Module, num_reqs: int, block_size: int, seed: int = 0) -> None:
-        self.model, self.block_size = model, block_size
-        blocks = list(range(NUM_BLOCKS))
-        random.Random(seed).shuffle(blocks)  # scattered, so block-table indexing is really exercised
-        per_req = NUM_BLOCKS // num_reqs
-        self.block_table = torch.tensor([blocks[i * per_req : (i + 1) * per_req] for i in range(num_reqs)])
-        self.num_computed = [0] * num_reqs
-        dtype = next(model.parameters()).dtype
-        for attn in model.attention_layers():
-            spec = attn.spec
-            shape = (2, NUM_BLOCKS, block_size, spec.num_kv_heads, spec.head_size)
-            attn.kv_cache = torch.zeros(shape, dtype=dtype)
-
-    def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """Compute the next ``chunks[i]`` tokens of request i; returns each request's logits [len, vocab]."""
-        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
-        for i, chunk in enumerate(chunks):
-            start = self.num_computed[i]
-            for pos in range(start, start + len(chunk)):
-                block = int(self.block_table[i, pos // self.block_size])
-                slots.append(block * self.block_size + pos % self.block_size)
-            ids += chunk
-            positions += range(start, start + len(chunk))
-            query_lens.append(len(chunk))
-            seq_lens.append(start + len(chunk))
-            self.num_computed[i] += len(chunk)
-        query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            num_actual_tokens=len(ids),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens_t,
-            block_table=self.block_table.to(torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens_t,
-        )
-        with torch.inference_mode():
-            metadata = layer_metadata(self.model, common, self.block_size)
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), metadata)
-            logits = self.model.compute_logits(hidden)
-        return list(logits.split(query_lens))
 
 
 def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:

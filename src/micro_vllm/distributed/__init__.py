@@ -10,7 +10,7 @@ from micro_vllm.distributed.parallel_state import (
     init_distributed_environment,
     initialize_model_parallel,
 )
-from micro_vllm.distributed.utils import divide, get_open_port
+from micro_vllm.distributed.utils import divide, get_open_port, num_kv_heads_per_rank
 
 __all__ = [
     "GroupCoordinator",
@@ -23,4 +23,5 @@ __all__ = [
     "get_tp_group",
     "init_distributed_environment",
     "initialize_model_parallel",
+    "num_kv_heads_per_rank",
 ]

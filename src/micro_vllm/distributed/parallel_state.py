@@ -9,7 +9,9 @@ KV cache's block count), which never wait behind the device's queue.
 
 Until a worker sets its own, every process has the one-rank group: no process group at all, and
 collectives that return their input. The in-process executor, and models built directly (tests), run
-on it at no cost.
+on it at no cost. A worker of the multiprocess executor joins a world even when it is the only rank
+(NCCL on CUDA, as vLLM does), so one device runs the same start-up as several; its collectives
+still return their input, so its steps run nothing that one rank does not need.
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ class GroupCoordinator:
         self.world_size = len(self.ranks)
         self.rank_in_group = self.ranks.index(rank)
         self.device_group = self.cpu_group = None
-        if self.world_size > 1:  # every rank creates both groups, in the same order
+        if dist.is_initialized():  # every rank creates both groups, in the same order
             self.device_group = dist.new_group(self.ranks, backend=device_backend)
             self.cpu_group = dist.new_group(self.ranks, backend="gloo")
+
+    def warm_up(self, device: torch.device) -> None:
+        """One all-reduce on the device group, whatever the number of ranks: NCCL creates a
+        group's communicator at its first collective, which must come before a CUDA graph captures
+        one (creating it inside a capture fails)."""
+        if self.device_group is not None:
+            dist.all_reduce(torch.zeros(1, device=device), group=self.device_group)
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum of ``input_`` over the ranks, written into ``input_`` and returned."""
@@ -99,10 +108,8 @@ def get_tensor_model_parallel_rank() -> int:
 
 def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str | None,
                                  backend: str) -> None:
-    """Join the world of ``world_size`` processes as ``rank``, meeting the others at
-    ``distributed_init_method`` (a ``tcp://host:port`` store); one rank needs no process group."""
-    if world_size == 1:
-        return
+    """Join the world of ``world_size`` processes (one included) as ``rank``, meeting the others at
+    ``distributed_init_method`` (a ``tcp://host:port`` store)."""
     if dist.is_initialized():
         raise RuntimeError("this process has already joined a process group")
     dist.init_process_group(backend, init_method=distributed_init_method, world_size=world_size, rank=rank)
@@ -114,8 +121,6 @@ def initialize_model_parallel(tensor_model_parallel_size: int, backend: str) -> 
     global _TP
     if _TP is not _SINGLE_RANK:
         raise RuntimeError("the tensor parallel group of this process is already set")
-    if tensor_model_parallel_size == 1:
-        return
     if not dist.is_initialized() or dist.get_world_size() != tensor_model_parallel_size:
         world = dist.get_world_size() if dist.is_initialized() else None
         raise RuntimeError(f"tensor_parallel_size={tensor_model_parallel_size} needs a world of as many "

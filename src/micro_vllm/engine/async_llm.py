@@ -17,6 +17,7 @@ call and ``check_health``.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import multiprocessing
 import threading
@@ -89,9 +90,14 @@ class AsyncLLM:
     def __init__(self, config: LLMConfig, stat_loggers: Iterable = ()) -> None:
         context = multiprocessing.get_context("spawn")  # a forked child would inherit this process' threads and CUDA state
         self._conn, child_conn = context.Pipe()
+        # Not daemonic: a daemonic process may not start processes, and the engine's starts one per
+        # tensor-parallel rank. It still never outlives this one: it stops when its pipe closes, and it
+        # is terminated at this interpreter's exit unless shut down before, as a daemonic one would be
+        # (this handler runs before multiprocessing's, which waits for every child that is not daemonic).
         self._process = context.Process(target=run_engine_core, args=(config, child_conn),
-                                        name="micro-vllm-engine-core", daemon=True)
+                                        name="micro-vllm-engine-core")
         self._process.start()
+        atexit.register(self._process.terminate)
         child_conn.close()
         try:
             message = self._conn.recv()
@@ -99,6 +105,7 @@ class AsyncLLM:
             message = ("dead", EngineDeadError(f"the engine process exited with {self._process.exitcode} while starting"))
         if message[0] == "dead":
             self._process.join()
+            atexit.unregister(self._process.terminate)
             raise message[1]
         _, self.max_model_len, self.vocab_size = message
         model_config = config.model_config
@@ -174,6 +181,7 @@ class AsyncLLM:
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
+        atexit.unregister(self._process.terminate)
         self._conn.close()
 
     def _send_abort(self, request_id: str) -> None:

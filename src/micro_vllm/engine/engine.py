@@ -61,7 +61,9 @@ class LLMEngine:
         model_config = config.model_config
         path = resolve_model_path(model_config.model)
         hf_config = load_hf_config(path, model_config.hf_overrides)
-        get_model_class(hf_config)  # fail on an unsupported architecture before loading anything
+        # Fail on an unsupported architecture, or heads that do not split over the ranks, before any
+        # loading or process starts.
+        get_model_class(hf_config).verify_tensor_parallel_size(hf_config, config.parallel_config.tensor_parallel_size)
         self.max_model_len = _resolve_max_model_len(config, hf_config)
         self.vocab_size = hf_config.vocab_size
         self.tokenizer = load_tokenizer(path, model_config.tokenizer)

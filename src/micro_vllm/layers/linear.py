@@ -1,18 +1,17 @@
-"""Linear layers: ``Linear`` with a CPU path through oneDNN, ``MergedLinear`` for projections the
-checkpoint stores in pieces, and the tensor-parallel layers (vLLM's names).
+"""The linear layers of tensor parallelism (vLLM's names), and their CPU path through oneDNN.
+
+Each rank holds a slice of every projection. ``ColumnParallelLinear`` splits the outputs
+(``MergedColumnParallelLinear`` each of several projections that read the same input, gate/up;
+``QKVParallelLinear`` the heads), so a rank computes its own heads or its own part of the MLP's hidden
+features; ``RowParallelLinear`` splits the inputs, each rank multiplies its slice, and an all-reduce
+sums the partial outputs (after ``o_proj`` and ``down_proj``). The checkpoint keeps q/k/v and gate/up
+as separate tensors; each parameter's ``weight_loader`` copies in the rank's slice of each, in its
+rows. With one rank every layer is the plain matmul and no collective runs.
 
 On CPU, fp32 matmuls at decode's small batches run faster from a weight oneDNN has laid out for them
 once than through ``F.linear``'s BLAS call on the plain weight, so ``process_weights_after_loading``
-(vLLM's name) swaps each ``Linear``'s weight for that layout after the checkpoint is in. Projections
-that read the same input (q/k/v, gate/up) run as one matmul; the checkpoint keeps them as separate
-tensors, so each piece is copied into its row range at load time.
-
-Under tensor parallelism each rank holds a slice of every projection. ``ColumnParallelLinear`` splits
-the outputs (``MergedColumnParallelLinear`` each of gate/up, ``QKVParallelLinear`` the heads), so a rank
-computes its own heads or its own part of the MLP's hidden features; ``RowParallelLinear`` splits the
-inputs, each rank multiplies its slice, and an all-reduce sums the partial outputs (after ``o_proj``
-and ``down_proj``). They are ``Linear``s of the rank's shape, so the oneDNN path serves them too; each
-parameter's ``weight_loader`` copies in the rank's slice of the checkpoint tensor.
+(vLLM's name) swaps each layer's weight for that layout after the checkpoint is in: the layers share
+the base ``LinearBase``, which holds that path.
 """
 
 from __future__ import annotations
@@ -23,12 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from micro_vllm.distributed import GroupCoordinator, divide, get_tp_group
+from micro_vllm.distributed import GroupCoordinator, divide, get_tp_group, num_kv_heads_per_rank
 from micro_vllm.model_loader.weight_utils import Shard, ShardedWeightLoader, ShardId, default_weight_loader
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` whose matmul runs through oneDNN once ``use_onednn`` has repacked its weight.
+class LinearBase(nn.Linear):
+    """``nn.Linear`` whose matmul runs through oneDNN once ``use_onednn`` has repacked its weight: the
+    base of every linear layer here, each holding its rank's shape.
 
     A single row (one decode) is a matrix-vector product bound by reading the weight; BLAS streams
     the transposed weight, [in, out], faster than either oneDNN's layout or the plain one, so the
@@ -67,34 +67,13 @@ def onednn_runs(weight: torch.Tensor) -> bool:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Lay out every ``Linear`` weight for oneDNN where it runs; a no-op on GPUs."""
+    """Lay out every linear layer's weight for oneDNN where it runs; a no-op on GPUs."""
     for module in model.modules():
-        if isinstance(module, Linear) and onednn_runs(module.weight):
+        if isinstance(module, LinearBase) and onednn_runs(module.weight):
             module.use_onednn()
 
 
-class MergedLinear(Linear):
-    """``Linear`` whose output rows are the concatenation of several projections (``output_sizes``)."""
-
-    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = tuple(output_sizes)
-
-    @torch.no_grad()
-    def load_shard(self, shard: int, param_name: str, loaded: torch.Tensor) -> None:
-        """Copy projection number ``shard``'s ``weight`` or ``bias`` into its rows."""
-        param = getattr(self, param_name)
-        start = sum(self.output_sizes[:shard])
-        rows = param[start : start + self.output_sizes[shard]]
-        if rows.shape != loaded.shape:
-            raise ValueError(
-                f"shard {shard} of {param_name}: checkpoint shape {tuple(loaded.shape)}, "
-                f"expected {tuple(rows.shape)}"
-            )
-        rows.copy_(loaded)
-
-
-class ColumnParallelLinear(Linear):
+class ColumnParallelLinear(LinearBase):
     """A linear layer whose output features are split evenly over the tensor-parallel ranks: rank r
     computes features ``r * n / N ..`` of the ``n``. ``gather_output`` all-gathers the whole output
     onto every rank; without it each rank keeps its slice, for a ``RowParallelLinear`` or for
@@ -148,13 +127,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_group = get_tp_group()
         tp_size, rank = tp_group.world_size, tp_group.rank_in_group
         num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
-        if total_num_kv_heads >= tp_size:
-            num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
-        elif tp_size % total_num_kv_heads:
-            raise ValueError(f"num_key_value_heads={total_num_kv_heads} cannot be spread over "
-                             f"tensor_parallel_size={tp_size}: one must be a multiple of the other")
-        else:
-            num_kv_heads = 1
+        num_kv_heads = num_kv_heads_per_rank(total_num_kv_heads, tp_size)
         q_size, kv_size, kv_total = num_heads * head_size, num_kv_heads * head_size, total_num_kv_heads * head_size
         kv_start = rank * total_num_kv_heads // tp_size * head_size
         pieces = [("q", total_num_heads * head_size, rank * q_size, q_size),
@@ -164,11 +137,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size, self.kv_size = q_size, kv_size  # this rank's
 
 
-class RowParallelLinear(Linear):
+class RowParallelLinear(LinearBase):
     """A linear layer whose input features are split evenly over the ranks: each rank takes its slice
     of the input (the output of a column-parallel layer) and the partial outputs are summed by an
     all-reduce, so every rank holds the whole output. The bias, whole on every rank, joins rank 0's
-    partial sum, so the all-reduce adds it exactly once (and one rank is a plain ``Linear``)."""
+    partial sum, so the all-reduce adds it exactly once (and one rank is a plain linear layer)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
         tp_group = get_tp_group()

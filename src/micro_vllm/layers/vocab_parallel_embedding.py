@@ -5,7 +5,7 @@ number: rank r holds tokens ``r * rows .. (r + 1) * rows - 1``. ``VocabParallelE
 the ids of its rows (the others give zeros) and an all-reduce sums the ranks' lookups.
 ``ParallelLMHead`` computes the logits of its rows and all-gathers them, so every rank holds the
 whole vocabulary's logits and samples the same tokens (as vLLM V1 does); the padding is cut off.
-With one rank both are a plain embedding and a plain ``Linear``.
+With one rank both are a plain embedding and a plain linear layer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from micro_vllm.distributed import GroupCoordinator, get_tp_group
-from micro_vllm.layers.linear import Linear
+from micro_vllm.layers.linear import LinearBase
 from micro_vllm.model_loader.weight_utils import Shard, ShardedWeightLoader
 
 
@@ -47,7 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp_group.all_reduce(embeddings)
 
 
-class ParallelLMHead(Linear):
+class ParallelLMHead(LinearBase):
     """The output projection to the vocabulary: each rank's logits for its rows, all-gathered along
     the vocabulary. ``tied_to`` reuses an embedding's weight (``tie_word_embeddings``): the two split
     the vocabulary alike, so the rank's rows are the same tensor, and the head's own is never allocated."""

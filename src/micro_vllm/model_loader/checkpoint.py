@@ -2,10 +2,10 @@
 
 Weights come only from ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.json``)
 and are copied tensor by tensor into a model already built on the device, so peak host memory stays
-near one tensor. ``load_format="dummy"`` (vLLM's) fills the model with random weights instead. Streamed
-``lazy``, the tensors come as safetensors slices, from which a tensor-parallel rank's ``weight_loader``
-reads only its part (``weight_utils.py``). The
-model's ``generation_config.json`` also gives the default sampling parameters
+near one tensor. They are streamed as safetensors slices, from which each parameter's ``weight_loader``
+reads only its part: a tensor-parallel rank reads only its slices of the checkpoint
+(``weight_utils.py``). ``load_format="dummy"`` (vLLM's) fills the model with random weights instead.
+The model's ``generation_config.json`` also gives the default sampling parameters
 (``default_sampling_overrides``).
 """
 
@@ -166,16 +166,16 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def stream_weights(files: list[Path], seen: dict[str, Path], lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """Each checkpoint tensor of ``files`` with its name, recording in ``seen`` the file it came from:
-    read whole, or with ``lazy`` as a safetensors slice (``get_slice``) that reads what it is indexed
-    for: read it before asking for the next tensor."""
+def stream_weights(files: list[Path], seen: dict[str, Path]) -> Iterator[tuple[str, Any]]:
+    """Each checkpoint tensor of ``files`` as a safetensors slice (``get_slice``), with its name,
+    recording in ``seen`` the file it came from. A slice reads from the file what it is indexed for
+    (``slice[:]`` the whole tensor): read it before asking for the next one."""
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     seen[name] = file
-                    yield name, reader.get_slice(name) if lazy else reader.get_tensor(name)
+                    yield name, reader.get_slice(name)
         except (SafetensorError, OSError) as error:  # errors of the consumer never enter a generator
             raise OSError(f"{file} is not a readable safetensors file: {error}") from error
 
@@ -183,11 +183,11 @@ def stream_weights(files: list[Path], seen: dict[str, Path], lazy: bool = False)
 def _check_complete(model: nn.Module, loaded: set[str], checkpoint_names: set[str]) -> None:
     # A fused parameter counts as loaded after its first piece, so compare the checkpoint tensors
     # each parameter needs with the names the files held.
-    packed = getattr(model, "packed_modules_mapping", {})
+    stacked = model.stacked_params_mapping
     needed = {
         expected
         for name, _ in model.named_parameters()
-        for expected in _checkpoint_names_for(name, packed)
+        for expected in _checkpoint_names_for(name, stacked)
     }
     missing = sorted(needed - checkpoint_names)
     if missing:
@@ -206,12 +206,12 @@ def _skipped_on_purpose(model: nn.Module, name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tied)
 
 
-def _checkpoint_names_for(param_name: str, packed: dict[str, tuple[str, ...]]) -> list[str]:
+def _checkpoint_names_for(param_name: str, stacked: tuple[tuple[str, str, Any], ...]) -> list[str]:
+    """The checkpoint tensors that fill a parameter: the pieces stacked into a fused one, or its own name."""
     module_path, _, attr = param_name.rpartition(".")
     parent, _, leaf = module_path.rpartition(".")
-    if leaf not in packed:
-        return [param_name]
-    return [f"{parent}.{piece}.{attr}" for piece in packed[leaf]]
+    pieces = [piece for fused, piece, _ in stacked if fused == leaf]
+    return [f"{parent}.{piece}.{attr}" for piece in pieces] or [param_name]
 
 
 @contextlib.contextmanager

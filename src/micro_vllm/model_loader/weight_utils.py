@@ -73,9 +73,9 @@ class ShardedWeightLoader:
         if shard_id not in self.shards:
             raise ValueError(f"shard_id={shard_id!r} is not one of this parameter's {list(self.shards)}")
         shard = self.shards[shard_id]
-        shape = checkpoint_shape(loaded_weight)
-        if len(shape) != param.dim() or shape[self.dim] != shard.total:
-            raise ValueError(f"checkpoint shape {shape}: expected {param.dim()} dimensions and {shard.total} "
-                             f"entries along dimension {self.dim}")
+        shape, expected = checkpoint_shape(loaded_weight), list(param.shape)
+        expected[self.dim] = shard.total
+        if shape != tuple(expected):
+            raise ValueError(f"checkpoint shape {shape}, expected {tuple(expected)}")
         piece = narrow_weight(loaded_weight, self.dim, shard.start, shard.size)
         copy_weight(param.data.narrow(self.dim, shard.offset, piece.shape[self.dim]), piece)

@@ -1,9 +1,15 @@
 """Llama, from a Hugging Face ``LlamaConfig``: the decoder stack Mistral, Qwen2 and Qwen3 reuse.
 
 Module names follow the checkpoint's, except that q/k/v and gate/up run as one matmul each
-(``packed_modules_mapping`` says which checkpoint tensors fill them). Subclasses change per-layer
+(``stacked_params_mapping`` says which checkpoint tensors fill them). Subclasses change per-layer
 policy (sliding windows, q/k norm, attention biases) through ``LlamaForCausalLM``'s hooks, not by
 copying layers.
+
+Under tensor parallelism every rank builds the same model from its slices (layers/linear.py,
+layers/vocab_parallel_embedding.py): its share of the attention heads (its attention layers, and so
+its KV cache, hold only those) and of the MLP's hidden features, and its rows of the vocabulary. Per
+decoder layer two all-reduces run, after ``o_proj`` and after ``down_proj``; one after the embedding
+lookup, and one all-gather of the logits. Norms, q/k norms and the rotary tables are whole on every rank.
 """
 
 from __future__ import annotations
@@ -16,19 +22,22 @@ from transformers import PretrainedConfig
 
 from micro_vllm.attention.attention import Attention
 from micro_vllm.attention.backends.abstract import AttentionMetadata
+from micro_vllm.distributed import divide, num_kv_heads_per_rank
 from micro_vllm.layers.activation import SiluAndMul
-from micro_vllm.layers.linear import Linear, MergedLinear
+from micro_vllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from micro_vllm.layers.norm import QKNorm, RMSNorm
 from micro_vllm.layers.qk_norm_rope import QKNormRoPE
 from micro_vllm.layers.rotary import RotaryEmbedding
-from micro_vllm.models.utils import head_size_of
+from micro_vllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from micro_vllm.model_loader.weight_utils import CheckpointTensor, ShardId, default_weight_loader
+from micro_vllm.models.utils import head_size_of, num_kv_heads_of
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +45,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Projections, RoPE (after a per-head q/k RMSNorm in Qwen3), paged attention, output projection.
+    """Projections, RoPE (after a per-head q/k RMSNorm in Qwen3), paged attention, output projection,
+    over this rank's heads.
 
     ``biases`` says whether the q/k/v projections and the output projection have a bias."""
 
@@ -49,21 +59,21 @@ class LlamaAttention(nn.Module):
         biases: tuple[bool, bool],
     ) -> None:
         super().__init__()
-        num_heads = hf_config.num_attention_heads
-        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        total_num_heads = hf_config.num_attention_heads
         self.head_size = head_size_of(hf_config)
-        self.q_size = num_heads * self.head_size
-        self.kv_size = num_kv_heads * self.head_size
         qkv_bias, o_bias = biases
         hidden_size = hf_config.hidden_size
-        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_size, total_num_heads, num_kv_heads_of(hf_config),
+                                          bias=qkv_bias)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size  # this rank's
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_size, hidden_size, bias=o_bias)
         if qk_norm:  # the checkpoint's per-head norms, applied before RoPE by one op (layers/qk_norm_rope.py)
             self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
             rotary_emb = QKNormRoPE(QKNorm(self.q_norm, self.k_norm), rotary_emb)
         self.rotary_emb = rotary_emb  # chosen here, so forward never asks which
-        self.attn = Attention(num_heads, self.head_size, num_kv_heads, self.head_size**-0.5, sliding_window)
+        self.attn = Attention(self.qkv_proj.num_heads, self.head_size, self.qkv_proj.num_kv_heads,
+                              self.head_size**-0.5, sliding_window)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
@@ -117,7 +127,7 @@ class LlamaModel(nn.Module):
         attention_biases: tuple[bool, bool],
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.rotary_emb = RotaryEmbedding.from_hf_config(hf_config, head_size_of(hf_config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, self.rotary_emb, window, qk_norm, attention_biases)
@@ -139,11 +149,14 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model interface the ModelRunner drives; Mistral, Qwen2 and Qwen3 override the hooks below."""
 
-    # Our fused module -> the checkpoint modules stacked into it, in row order.
-    packed_modules_mapping: dict[str, tuple[str, ...]] = {
-        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-        "gate_up_proj": ("gate_proj", "up_proj"),
-    }
+    # (our fused module, a checkpoint module stacked into it, the shard_id its weight_loader takes).
+    stacked_params_mapping: tuple[tuple[str, str, ShardId], ...] = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
     # Hook: RMSNorm each query/key head before RoPE.
     qk_norm: bool = False
 
@@ -157,6 +170,15 @@ class LlamaForCausalLM(nn.Module):
         """Hook: whether the q/k/v projections and the output projection have a bias."""
         bias = getattr(hf_config, "attention_bias", False)
         return bias, bias
+
+    @classmethod
+    def verify_tensor_parallel_size(cls, hf_config: PretrainedConfig, tensor_parallel_size: int) -> None:
+        """Raise a ValueError naming both numbers for a split the layers cannot make: the attention
+        heads and the MLP's hidden features split evenly over the ranks, the KV heads too or each
+        replicated over several ranks. (The vocabulary is padded to a multiple of the ranks.)"""
+        divide(hf_config.num_attention_heads, tensor_parallel_size, "num_attention_heads")
+        num_kv_heads_per_rank(num_kv_heads_of(hf_config), tensor_parallel_size)
+        divide(hf_config.intermediate_size, tensor_parallel_size, "intermediate_size")
 
     def __init__(self, hf_config: PretrainedConfig) -> None:
         super().__init__()
@@ -172,10 +194,8 @@ class LlamaForCausalLM(nn.Module):
         )
         # Tied: logits reuse the embedding matrix, one parameter loaded under the embedding's name (the
         # head's own weight is never allocated).
-        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False,
-                              device="meta" if self.tied else None)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      tied_to=self.model.embed_tokens if self.tied else None)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: list[AttentionMetadata]
@@ -193,34 +213,31 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into our parameters; returns the names of the parameters written.
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Hand each checkpoint tensor (or safetensors slice) to its parameter's ``weight_loader``,
+        which copies in this rank's part of it (a fused parameter's rows for the piece ``shard_id``
+        names; a parameter every rank holds whole, as the norms, takes it all). Returns the names of
+        the parameters written.
 
         Tensors this model has no parameter for (a tied ``lm_head.weight``, old rotary buffers) are
         skipped; the loader checks that nothing the model needs is missing.
         """
         params = dict(self.named_parameters())
-        shard_of = {
-            piece: (fused, index)
-            for fused, pieces in self.packed_modules_mapping.items()
-            for index, piece in enumerate(pieces)
-        }
         loaded: set[str] = set()
         for name, tensor in weights:
-            module_path, _, param_name = name.rpartition(".")
-            parent, _, leaf = module_path.rpartition(".")
-            if leaf in shard_of:
-                fused, index = shard_of[leaf]
-                target = f"{parent}.{fused}"
-                if f"{target}.{param_name}" in params:
-                    self.get_submodule(target).load_shard(index, param_name, tensor)
-                    loaded.add(f"{target}.{param_name}")
-            elif name in params:
-                param = params[name]
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
-                loaded.add(name)
+            name, shard_id = self._stacked_name(name)
+            param = params.get(name)
+            if param is None:
+                continue
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            loaded.add(name)
         return loaded
+
+    def _stacked_name(self, name: str) -> tuple[str, ShardId]:
+        """The parameter a checkpoint tensor fills, and the shard_id of its piece (None: all of it)."""
+        module_path, _, param_name = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        for fused, piece, shard_id in self.stacked_params_mapping:
+            if leaf == piece:
+                return f"{parent}.{fused}.{param_name}", shard_id
+        return name, None

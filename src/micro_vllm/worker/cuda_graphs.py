@@ -6,6 +6,10 @@ and steps with prefill chunks (alone or mixed with decodes) up to ``MAX_MIXED_GR
 Launching a step's few hundred kernels from Python takes about as long as the GPU work of a
 several-thousand-token prefill of a small model, and on a slower host longer, so graphs pay up to
 the default token budget.
+
+Under tensor parallelism every rank captures the same shapes in the same order, and a graph holds the
+model's all-reduces and all-gather like any kernel: NCCL's communicator already exists (the worker
+ran its group's first collective when it joined), so no capture creates one.
 """
 
 from __future__ import annotations

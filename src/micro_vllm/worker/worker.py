@@ -90,15 +90,20 @@ def resolve_attention_backend(backend: str | None, device: torch.device, head_si
 
 def init_worker_distributed_environment(world_size: int, rank: int, distributed_init_method: str | None,
                                         device: torch.device) -> None:
-    """Join the ranks' world and set the tensor-parallel group: activations over NCCL on CUDA, gloo on CPU."""
+    """Join the ranks' world at ``distributed_init_method``, one rank included, and set the
+    tensor-parallel group: activations over NCCL on CUDA, gloo on CPU. Its first collective runs
+    here, before any CUDA graph is captured. The in-process executor's worker (no address) joins none."""
+    if distributed_init_method is None:
+        return
     backend = "nccl" if device.type == "cuda" else "gloo"
     init_distributed_environment(world_size, rank, distributed_init_method, backend)
     initialize_model_parallel(world_size, backend)
+    get_tp_group().warm_up(device)
 
 
 class Worker:
     """``rank`` of ``config.parallel_config``'s ranks, which meet at ``distributed_init_method``
-    (a ``tcp://`` address; None for one rank)."""
+    (a ``tcp://`` address; None for the in-process executor's one rank, in no process group)."""
 
     def __init__(self, config: LLMConfig, model_path, hf_config, max_model_len: int, rank: int = 0,
                  distributed_init_method: str | None = None) -> None:

@@ -1,0 +1,73 @@
+"""``micro-vllm serve -tp 2`` on CPU, driven with the official ``openai`` client: the server's engine
+process starts a worker process per rank, and a completion (greedy, streamed and not) and a
+structured-output request give what one rank gives offline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from helpers.server import serve
+from helpers.tiny_models import make_tiny_model
+from micro_vllm import LLM, SamplingParams, StructuredOutputsParams
+
+SETTINGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=8)
+PROMPT, CITIES = "The sky is", ["Paris", "London", "Berlin"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model("qwen2", tmp_path_factory.mktemp("serve"))  # q/k/v biases, tied embeddings
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in SETTINGS.items()]
+    with serve(str(model_dir), "-tp", "2", "--served-model-name", "tiny", *flags) as url:
+        yield url
+
+
+def test_a_completion_and_a_structured_output_equal_one_rank_offline(server, model_dir):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    greedy = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**greedy).choices[0].text
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(**greedy, stream=True))
+    choice = client.completions.create(model="tiny", prompt="City: ", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": CITIES}}).choices[0].text
+    assert httpx.get(f"{server}/health").status_code == 200
+    [serve_pid] = [pid for pid in children(os.getpid()) if b"serve" in command_line(pid)]
+    [engine_pid] = spawned_by(serve_pid)
+    assert len(spawned_by(engine_pid)) == 2  # a worker per rank
+    with LLM(model=str(model_dir), device="cpu", **SETTINGS) as llm:
+        expected = llm.generate([PROMPT, "City: "], [
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(choice=CITIES)),
+        ], use_tqdm=False)
+    assert [text, choice] == [output.outputs[0].text for output in expected]
+    assert streamed == text and choice in CITIES
+
+
+def spawned_by(pid: int) -> list[int]:
+    """The processes that ``pid`` started through multiprocessing (not its resource tracker)."""
+    return [child for child in children(pid) if b"spawn_main" in command_line(child)]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if parent == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def command_line(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
