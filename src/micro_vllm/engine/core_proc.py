@@ -1,8 +1,17 @@
 """The engine's own process for ``AsyncLLM`` (vLLM's ``EngineCoreProc``): the step loop, fed over a pipe.
 
 It owns an ``Engine`` and runs it as the offline loop does: between steps it applies the requests and
-aborts that have come in, steps while anything is unfinished, and blocks on the pipe when idle. What it
-sends back, in order, one message each:
+aborts that have come in, steps while anything is unfinished, and blocks on the pipe when idle.
+
+A structured-output request is checked at once (``Engine.make_request``: a request the engine refuses
+fails its caller before anything runs), then waits while its grammar compiles on a thread of its own
+(``PendingGrammars``), and is added to the engine once the grammar is ready, as vLLM compiles grammars
+asynchronously and schedules the request when its grammar is: a grammar can take seconds to compile (a
+deep schema, a choice of thousands of options), and compiling it in the step loop would pause every
+stream. xgrammar releases the GIL while it compiles, so the steps go on meanwhile. An abort of a request
+still compiling ends it at once; a grammar that fails to compile fails only its caller.
+
+What it sends back, in order, one message each:
 
 - ``("ready", max_model_len, vocab_size)`` once the engine is built;
 - ``("outputs", outputs, scheduler_stats)`` for each step that made outputs (``scheduler_stats`` None
@@ -15,14 +24,20 @@ sends back, in order, one message each:
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import pickle
 import signal
-from multiprocessing.connection import Connection
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
 
 from micro_vllm.config import LLMConfig
+from micro_vllm.core.request import Request
 from micro_vllm.engine.engine import Engine
 from micro_vllm.engine.exceptions import EngineDeadError
-from micro_vllm.engine.output import RequestOutput
+from micro_vllm.engine.output import CompletionOutput, RequestOutput
 
 
 def run_engine_core(config: LLMConfig, conn: Connection) -> None:
@@ -46,11 +61,12 @@ class EngineCoreProc:
         self.engine = engine
         self.conn = conn
         self.announced: set[str] = set()  # requests whose prompt has gone out with an output
+        self.grammars = PendingGrammars()
 
     def run(self) -> None:
         engine = self.engine
         try:
-            while self._apply_commands(block=not engine.has_unfinished_requests()):
+            while self._handle_inputs(block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     if outputs:
@@ -61,16 +77,22 @@ class EngineCoreProc:
             error: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as failure:  # noqa: BLE001 - whatever stops the loop fails every caller
             error = failure
+        self.grammars.shutdown()
         try:
             self.conn.send(("dead", _picklable(error)))
         except OSError:
             pass  # the other side is gone: nobody to tell
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply every command that has come in, waiting for one when ``block``; False on shutdown
-        (asked for, or the other end closed)."""
-        if not block and not self.conn.poll():
-            return True
+    def _handle_inputs(self, block: bool) -> bool:
+        """Add the requests whose grammar has compiled and apply the commands that have come in, waiting
+        for either when ``block``; False on shutdown (asked for, or the other end closed)."""
+        ready = wait([self.conn, self.grammars.ready], timeout=None if block else 0)
+        if self.grammars.ready in ready:
+            self._add_compiled()
+        return self._apply_commands() if self.conn in ready else True
+
+    def _apply_commands(self) -> bool:
+        """Apply every command that has come in (at least one has); False on shutdown."""
         try:
             while True:
                 command = self.conn.recv()
@@ -86,15 +108,45 @@ class EngineCoreProc:
             return False
 
     def _add(self, request_id: str, prompt, params) -> None:
+        """Check and add a request; one with a constraint waits for its grammar to compile."""
         try:
-            self.engine.add_request(self.engine.make_request(request_id, prompt, params))
+            if request_id in self.grammars.requests:
+                raise ValueError(f"request_id={request_id!r} is already in use")
+            request = self.engine.make_request(request_id, prompt, params)
+            if params.structured_outputs is None:
+                self.engine.add_request(request)
+                return
+            manager = self.engine.get_structured_output_manager()
         except (ValueError, TypeError) as error:
-            self.conn.send(("refused", request_id, _picklable(error)))
+            self._refuse(request_id, error)
+            return
+        self.grammars.submit(request, lambda: manager.grammar_init(params.structured_outputs))
+
+    def _add_compiled(self) -> None:
+        """Add the requests whose grammar has compiled; refuse those whose grammar failed to."""
+        for request, compiled in self.grammars.take_finished():
+            error = compiled.exception()  # whatever the compile raised (xgrammar raises RuntimeError from C++)
+            if error is not None:
+                self.engine.prompts.pop(request.request_id, None)  # made, never added
+                self._refuse(request.request_id, error)
+                continue
+            request.grammar = compiled.result()
+            try:
+                self.engine.add_request(request)
+            except (ValueError, TypeError) as refusal:
+                self._refuse(request.request_id, refusal)
 
     def _abort(self, request_id: str) -> None:
-        output = self.engine.abort_request(request_id)
+        request = self.grammars.cancel(request_id)
+        if request is not None:
+            output = _aborted_output(request, self.engine.prompts.pop(request_id, None))
+        else:
+            output = self.engine.abort_request(request_id)
         if output is not None:
             self.conn.send(("outputs", self._compact([output]), None))
+
+    def _refuse(self, request_id: str, error: BaseException) -> None:
+        self.conn.send(("refused", request_id, _picklable(error)))
 
     def _compact(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Send a request's prompt with its first output only: the other side keeps it from there."""
@@ -106,6 +158,53 @@ class EngineCoreProc:
             if output.finished:
                 self.announced.discard(output.request_id)
         return outputs
+
+
+class PendingGrammars:
+    """Requests whose grammar compiles on a thread of its own; ``ready`` turns readable whenever a
+    compile has finished. As many threads as vLLM gives its grammar compiler: half the CPUs."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="micro-vllm-grammar")
+        self.ready, self._notify = multiprocessing.Pipe(duplex=False)
+        self._notify_lock = threading.Lock()  # the compile threads share the pipe's sending end
+        self.requests: dict[str, tuple[Request, Future]] = {}
+
+    def submit(self, request: Request, compile_grammar: Callable[[], object]) -> None:
+        compiled = self.executor.submit(compile_grammar)
+        self.requests[request.request_id] = (request, compiled)
+        compiled.add_done_callback(self._wake)
+
+    def take_finished(self) -> list[tuple[Request, Future]]:
+        """The requests whose compile has finished (its future holds the grammar or the error)."""
+        while self.ready.poll():
+            self.ready.recv_bytes()
+        finished = [(request, compiled) for request, compiled in self.requests.values() if compiled.done()]
+        for request, _ in finished:
+            del self.requests[request.request_id]
+        return finished
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Forget a request still compiling (a compile under way runs to its end, unused)."""
+        request, compiled = self.requests.pop(request_id, (None, None))
+        if compiled is not None:
+            compiled.cancel()
+        return request
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _wake(self, _: Future) -> None:
+        with self._notify_lock:
+            self._notify.send_bytes(b"")
+
+
+def _aborted_output(request: Request, prompt: str | None) -> RequestOutput:
+    """The last output of a request aborted before it was added: each sequence empty, "abort"."""
+    sequences = [CompletionOutput(index, "", [], None, None, finish_reason="abort")
+                 for index in range(request.sampling_params.n)]
+    return RequestOutput(request.request_id, prompt, request.prompt_token_ids, None, sequences, finished=True,
+                         num_cached_tokens=0)
 
 
 def _picklable(error: BaseException) -> BaseException:
