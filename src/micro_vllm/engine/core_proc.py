@@ -24,20 +24,26 @@ What it sends back, in order, one message each:
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from micro_vllm.config import LLMConfig
 from micro_vllm.core.request import Request
 from micro_vllm.engine.engine import Engine
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.engine.output import CompletionOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from micro_vllm.structured_output.manager import StructuredOutputGrammar
+
+logger = logging.getLogger(__name__)
 
 
 def run_engine_core(config: LLMConfig, conn: Connection) -> None:
@@ -49,11 +55,23 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
     except BaseException as error:  # noqa: BLE001 - the caller of AsyncLLM() gets it
         conn.send(("dead", _picklable(error)))
         return
+    if engine.tokenizer is not None:
+        _load_structured_output(engine)
     try:
         conn.send(("ready", engine.max_model_len, engine.vocab_size))
         EngineCoreProc(engine, conn).run()
     finally:
         engine.shutdown()
+
+
+def _load_structured_output(engine: Engine) -> None:
+    """Build the structured-output manager before any request: with the first constraint, loading
+    xgrammar and reading the vocabulary (a second or more on a CPU) would pause every stream. A
+    tokenizer xgrammar cannot read fails the constraints only, when they come."""
+    try:
+        engine.get_structured_output_manager()
+    except Exception:  # noqa: BLE001 - the same error reaches each constraint's caller
+        logger.warning("structured output is unavailable for this tokenizer", exc_info=True)
 
 
 class EngineCoreProc:
@@ -113,14 +131,21 @@ class EngineCoreProc:
             if request_id in self.grammars.requests:
                 raise ValueError(f"request_id={request_id!r} is already in use")
             request = self.engine.make_request(request_id, prompt, params)
-            if params.structured_outputs is None:
-                self.engine.add_request(request)
-                return
-            manager = self.engine.get_structured_output_manager()
-        except (ValueError, TypeError) as error:
+        except Exception as error:  # noqa: BLE001 - it only checks and builds: whatever it raises is this request's
             self._refuse(request_id, error)
             return
-        self.grammars.submit(request, lambda: manager.grammar_init(params.structured_outputs))
+        if params.structured_outputs is not None:
+            try:
+                manager = self.engine.get_structured_output_manager()
+            except Exception as error:  # noqa: BLE001 - xgrammar cannot read this tokenizer (logged at start-up)
+                self._refuse(request_id, error)
+                return
+            self.grammars.submit(request, lambda: manager.grammar_init(params.structured_outputs))
+            return
+        try:
+            self.engine.add_request(request)
+        except (ValueError, TypeError) as error:
+            self._refuse(request_id, error)
 
     def _add_compiled(self) -> None:
         """Add the requests whose grammar has compiled; refuse those whose grammar failed to."""
@@ -161,16 +186,19 @@ class EngineCoreProc:
 
 
 class PendingGrammars:
-    """Requests whose grammar compiles on a thread of its own; ``ready`` turns readable whenever a
-    compile has finished. As many threads as vLLM gives its grammar compiler: half the CPUs."""
+    """Requests whose grammar compiles on a thread beside the step loop; ``ready`` turns readable
+    whenever a compile has finished. One compile at a time, each on at most half the CPUs (the
+    manager's compiler), so that compiling never takes more than half the machine from the steps."""
 
     def __init__(self) -> None:
-        self.executor = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="micro-vllm-grammar")
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="micro-vllm-grammar")
         self.ready, self._notify = multiprocessing.Pipe(duplex=False)
-        self._notify_lock = threading.Lock()  # the compile threads share the pipe's sending end
+        # The compile thread and the loop (a compile already done when its callback is added, a cancelled
+        # one) share the pipe's sending end.
+        self._notify_lock = threading.Lock()
         self.requests: dict[str, tuple[Request, Future]] = {}
 
-    def submit(self, request: Request, compile_grammar: Callable[[], object]) -> None:
+    def submit(self, request: Request, compile_grammar: Callable[[], StructuredOutputGrammar]) -> None:
         compiled = self.executor.submit(compile_grammar)
         self.requests[request.request_id] = (request, compiled)
         compiled.add_done_callback(self._wake)
