@@ -20,14 +20,13 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from micro_vllm.engine.output import CompletionOutput
 from micro_vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from micro_vllm.entrypoints.openai.serving import LOGPROB_FLOOR, OpenAIServing
 from micro_vllm.logprobs import Logprob
-from helpers.server import TINY_CHAT_TEMPLATE, metric, serve_process
-from helpers.tiny_models import VOCAB_SIZE, make_tiny_model
+from helpers.server import make_tiny_chat_model, metric, serve_process
+from helpers.tiny_models import VOCAB_SIZE
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
@@ -38,10 +37,7 @@ REFERENCE = {"model": MODEL, "prompt": "The sky is", "max_tokens": 12, "temperat
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("bad_requests"))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
+    path = make_tiny_chat_model(tmp_path_factory.mktemp("bad_requests"))
     with serve_process(str(path), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
                        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--block-size", "8",
                        "--max-request-body-bytes", str(MAX_BODY), "--enable-log-requests",

@@ -13,14 +13,27 @@ import tempfile
 import time
 import typing
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+from transformers import AutoTokenizer
+
+from helpers.tiny_models import make_tiny_model
 
 # A minimal chat template for tiny test models, whose byte-level tokenizer has none.
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+def make_tiny_chat_model(directory: Path) -> Path:
+    """A tiny llama (``helpers.tiny_models``) whose tokenizer has ``TINY_CHAT_TEMPLATE``."""
+    path = make_tiny_model("llama", directory)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def free_port() -> int:
