@@ -55,6 +55,8 @@ def test_defaults_and_the_max_tokens_rules():
     (CompletionRequest(prompt="x", structured_outputs={"regex": "a"}, response_format={"type": "json_object"}),
      "structured_outputs", "not allowed together"),
     (CompletionRequest(prompt="x", structured_outputs={"jsn": {}}), "structured_outputs", "give one of json"),
+    (CompletionRequest(prompt="x", structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs",
+     "exactly one of"),
     (ChatCompletionRequest(messages=MESSAGES, response_format={"type": "json_object"}, bad_words=["x"]), "bad_words",
      "bad_words cannot be combined with structured output"),
     (CompletionRequest(prompt="x", structured_outputs={"choice": ["a"]}, allowed_token_ids=[5]), "allowed_token_ids",

@@ -259,6 +259,10 @@ def _structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> S
         except TypeError:
             raise OpenAIError(f"structured_outputs={short_repr(request.structured_outputs)} is not allowed; give one "
                               "of json, regex, choice, grammar or json_object", param="structured_outputs") from None
+        except ValueError as error:
+            if str(error).startswith("structured_outputs."):
+                raise  # it names the field: structured_outputs.regex=...
+            raise OpenAIError(str(error), param="structured_outputs") from None  # two constraints, or none
     response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return None
