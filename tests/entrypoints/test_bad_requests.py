@@ -371,7 +371,7 @@ def check_response(response: httpx.Response) -> None:
         response.json()
 
 
-@settings(max_examples=int(os.environ.get("MICRO_VLLM_FUZZ_EXAMPLES", "150")), deadline=None, database=None,
+@settings(max_examples=int(os.environ.get("MICRO_VLLM_FUZZ_EXAMPLES", "300")), deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(request=random_requests())
 def test_random_bodies_get_a_2xx_or_an_openai_4xx(http, reference, request):
