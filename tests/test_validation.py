@@ -332,6 +332,7 @@ def test_bad_prompt_is_refused_before_any_work(untouched, prompts, error, match)
         (5, named("sampling_params", 5)),
         ({"max_tokens": 3}, named("sampling_params", {"max_tokens": 3})),
         ([GREEDY, "x"], r"sampling_params='x' is not allowed"),
+        ("greedy", named("sampling_params", "greedy")),  # a string is one value, not a list of six
     ],
 )
 def test_bad_sampling_params_argument_is_refused_before_any_work(untouched, sampling_params, match):

@@ -63,6 +63,12 @@ def _add_serve(subparsers) -> None:
                    help="the model name(s) clients use (default: the model argument)")
     AsyncEngineArgs.add_cli_args(p.add_argument_group("engine", "the engine's settings (vLLM's EngineArgs)"))
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="refuse (413) a request body larger than this (default: 16 MiB)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request the engine gets: its prompt, params and prompt token ids")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="log at most this many prompt characters or token ids per request (default: all)")
 
 
 def _serve(args) -> int:
@@ -72,8 +78,10 @@ def _serve(args) -> int:
     args.model = args.model_tag or args.model
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     names = args.served_model_name or [args.model or DEFAULT_MODEL]
-    run_server(config, names, args.host, args.port, args.api_key, access_log=not args.disable_uvicorn_access_log)
-    return 0
+    return run_server(config, names, args.host, args.port, args.api_key,
+                      access_log=not args.disable_uvicorn_access_log,
+                      max_request_body_bytes=args.max_request_body_bytes,
+                      enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
 
 
 def _add_trace(subparsers) -> None:

@@ -306,7 +306,7 @@ def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
     ``LLM.generate``: it returns finished outputs only, so nothing needs streaming)."""
     if isinstance(sampling_params, SamplingParams):
         return [_final_only(sampling_params)] * n
-    if isinstance(sampling_params, Mapping) or not isinstance(sampling_params, Iterable):
+    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Iterable):
         raise reject("sampling_params", sampling_params, "a SamplingParams or a list of them", TypeError)
     params = list(sampling_params)
     if len(params) != n:

@@ -1,15 +1,27 @@
 """AsyncLLM on a tiny model: streamed deltas add up to the offline output, a cancelled caller's
-request is aborted and its blocks freed, a refused request fails only its caller, and an engine
-whose process dies fails every caller and the health check."""
+request is aborted and its blocks freed, a refused request fails only its caller, a request that
+cannot reach the engine is forgotten, and an engine whose process dies fails every caller and the
+health check, saying how the process ended.
+
+Then the engine process's loop (``EngineCoreProc``) driven over a pipe in this process, its grammar
+compiles held until the test lets them go: the other requests step meanwhile, an abort ends a request
+still compiling at once, and a grammar that fails to compile fails only its request."""
 
 import asyncio
+import multiprocessing
+import pickle
+import threading
 import time
+from collections import defaultdict, deque
+from dataclasses import replace
 
 import pytest
 
-from micro_vllm import LLM, SamplingParams
-from micro_vllm.engine.arg_utils import AsyncEngineArgs
+from micro_vllm import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from micro_vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from micro_vllm.engine.core_proc import EngineCoreProc
+from micro_vllm.engine.engine import LLMEngine
 from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
 
 KWARGS = dict(device="cpu", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
@@ -161,6 +173,19 @@ def test_a_refused_request_fails_only_its_caller(llm):
     llm.check_health()
 
 
+def test_a_request_that_cannot_reach_the_engine_is_forgotten(llm):
+    """A prompt that cannot be sent to the engine's process fails its caller, and its id is free."""
+    unsendable = {"prompt_token_ids": PROMPTS[0], "on_done": lambda: None}  # a lambda does not pickle
+
+    async def main():
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            await anext(llm.generate(unsendable, greedy(2), "unsendable"))
+        return await collect(llm, PROMPTS[0], greedy(2), "unsendable")
+
+    assert asyncio.run(main())[-1].finished
+    assert not llm._streams
+
+
 def test_a_dead_engine_fails_every_caller_and_the_health_check(model):
     """The engine's process dies (killed) while requests stream: each caller gets EngineDeadError."""
     llm = start_engine(model)
@@ -179,8 +204,120 @@ def test_a_dead_engine_fails_every_caller_and_the_health_check(model):
         return results
 
     results = asyncio.run(main())
-    assert all(isinstance(r, EngineDeadError) and "process exited" in str(r) for r in results)
+    assert all(isinstance(r, EngineDeadError) and str(r) == "the engine process was killed by SIGKILL" for r in results)
     assert llm.errored
-    with pytest.raises(EngineDeadError, match="process exited"):
+    with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
         llm.check_health()
     llm.shutdown()
+
+
+# -- the engine process's loop, in this process ---------------------------------------------------
+
+
+class HeldCompiles:
+    """The engine's structured-output manager, each compile held until ``release`` is set; the regex
+    "fail" fails to compile, as xgrammar raises from C++."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def grammar_init(self, params):
+        self.started.set()
+        assert self.release.wait(60)
+        if params.regex == "fail":
+            raise RuntimeError("xgrammar could not compile it")
+        return self.manager.grammar_init(params)
+
+
+class Core:
+    """An EngineCoreProc on a thread of this process, driven through its pipe as AsyncLLM drives it."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.compiles = HeldCompiles(engine.get_structured_output_manager())
+        engine.get_structured_output_manager = lambda: self.compiles
+        self.conn, child_conn = multiprocessing.Pipe()
+        self.loop = threading.Thread(target=EngineCoreProc(engine, child_conn).run)
+        self.loop.start()
+        self.received = defaultdict(deque)  # request id -> its outputs and refusals, not yet taken
+
+    def add(self, request_id, prompt, params):
+        params = replace(params, output_kind=RequestOutputKind.DELTA)  # as AsyncLLM sends it
+        self.conn.send(("add", request_id, {"prompt_token_ids": prompt}, params))
+
+    def receive(self, request_id, timeout=60):
+        """The next output of ``request_id``, or the error that refused it."""
+        deadline = time.monotonic() + timeout
+        while not self.received[request_id]:
+            assert self.conn.poll(max(0.0, deadline - time.monotonic())), f"nothing for {request_id!r}"
+            message = self.conn.recv()
+            if message[0] == "outputs":
+                for output in message[1]:
+                    self.received[output.request_id].append(output)
+            elif message[0] == "refused":
+                self.received[message[1]].append(message[2])
+        return self.received[request_id].popleft()
+
+    def run_to_the_end(self, request_id):
+        outputs = [self.receive(request_id)]
+        while not outputs[-1].finished:
+            outputs.append(self.receive(request_id))
+        return outputs
+
+    def shutdown(self):
+        self.compiles.release.set()
+        self.conn.send(("shutdown",))
+        self.loop.join(timeout=60)
+        self.engine.shutdown()
+
+
+@pytest.fixture
+def core(model):
+    core = Core(LLMEngine(EngineArgs(model=model, **KWARGS).create_engine_config()))
+    yield core
+    core.shutdown()
+
+
+def digits(regex="[0-9]{3}"):
+    return SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(regex=regex))
+
+
+def num_tokens(outputs) -> int:
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def test_requests_step_while_a_grammar_compiles(core):
+    core.add("constrained", PROMPTS[0], digits())
+    assert core.compiles.started.wait(60)
+    core.add("plain", PROMPTS[1], greedy(6))
+    assert num_tokens(core.run_to_the_end("plain")) == 6  # while the grammar is held
+    core.compiles.release.set()
+    constrained = core.run_to_the_end("constrained")
+    text = "".join(o.outputs[0].text for o in constrained)
+    assert len(text) == 3 and text.isdigit() and constrained[-1].outputs[0].finish_reason == "stop"
+
+
+def test_an_abort_ends_a_request_still_compiling(core):
+    core.add("compiling", PROMPTS[2], digits())
+    assert core.compiles.started.wait(60)
+    core.conn.send(("abort", "compiling"))
+    aborted = core.receive("compiling")  # at once: the compile is still held
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].token_ids == []
+    assert aborted.prompt_token_ids == PROMPTS[2]
+    core.compiles.release.set()
+    core.add("after", PROMPTS[0], greedy(2))
+    assert num_tokens(core.run_to_the_end("after")) == 2
+    assert not core.received["compiling"]  # its compile's end changed nothing
+    assert not core.engine.has_unfinished_requests() and not core.engine.prompts
+
+
+def test_a_grammar_that_fails_to_compile_fails_only_its_request(core):
+    core.compiles.release.set()
+    core.add("plain", PROMPTS[1], greedy(20))
+    core.add("failing", PROMPTS[0], digits("fail"))
+    error = core.receive("failing")
+    assert isinstance(error, RuntimeError) and "could not compile" in str(error)
+    assert num_tokens(core.run_to_the_end("plain")) == 20
+    assert not core.engine.prompts

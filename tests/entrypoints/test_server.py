@@ -18,10 +18,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
-from helpers.server import TINY_CHAT_TEMPLATE, metric, serve
-from helpers.tiny_models import BOS_TOKEN_ID, make_tiny_model
+from helpers.server import make_tiny_chat_model, metric, serve
+from helpers.tiny_models import BOS_TOKEN_ID
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -31,10 +30,7 @@ PROMPTS = ["Hello", "The sky is", "1, 2, 3,", "Once upon a time", "abc", "Paris 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("serve"))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
+    path = make_tiny_chat_model(tmp_path_factory.mktemp("serve"))
     with serve(str(path), "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--block-size", "8") as url:
         yield url

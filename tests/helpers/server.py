@@ -1,24 +1,39 @@
 """A real ``micro-vllm serve`` process for tests: started on a free port, waited for until /health
-answers, stopped (and its log shown on failure) at the end."""
+answers, stopped at the end; its log is kept for the test to read."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import typing
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+from transformers import AutoTokenizer
+
+from helpers.tiny_models import make_tiny_model
 
 # A minimal chat template for tiny test models, whose byte-level tokenizer has none.
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+def make_tiny_chat_model(directory: Path) -> Path:
+    """A tiny llama (``helpers.tiny_models``) whose tokenizer has ``TINY_CHAT_TEMPLATE``."""
+    path = make_tiny_model("llama", directory)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def free_port() -> int:
@@ -30,6 +45,24 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve(model: str, *args: str, startup_timeout: float = 180.0) -> Iterator[str]:
     """Run ``micro-vllm serve MODEL ARGS`` on CPU; yield its base URL ("http://127.0.0.1:PORT")."""
+    with serve_process(model, *args, startup_timeout=startup_timeout) as server:
+        yield server.url
+
+
+@dataclasses.dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log: typing.IO[str]  # what the server wrote to stdout and stderr
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+
+@contextlib.contextmanager
+def serve_process(model: str, *args: str, startup_timeout: float = 180.0) -> Iterator[ServerProcess]:
+    """``serve``, yielding the server's process and its log too."""
     port = free_port()
     command = [sys.executable, "-m", "micro_vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
                "--device", "cpu", "--disable-uvicorn-access-log", *args]
@@ -40,7 +73,7 @@ def serve(model: str, *args: str, startup_timeout: float = 180.0) -> Iterator[st
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_until_healthy(url, process, log, startup_timeout)
-            yield url
+            yield ServerProcess(url, process, log)
         finally:
             process.terminate()
             try:

@@ -20,6 +20,7 @@ import asyncio
 import atexit
 import dataclasses
 import multiprocessing
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -102,7 +103,7 @@ class AsyncLLM:
         try:
             message = self._conn.recv()
         except EOFError:
-            message = ("dead", EngineDeadError(f"the engine process exited with {self._process.exitcode} while starting"))
+            message = ("dead", EngineDeadError(f"the engine process {_exit_status(self._process)} while starting"))
         if message[0] == "dead":
             self._process.join()
             atexit.unregister(self._process.terminate)
@@ -133,8 +134,9 @@ class AsyncLLM:
         (``RequestOutputKind.DELTA``, whatever ``sampling_params`` asks), the last one finished. An
         output holds every step since the caller last took one (``RequestOutputCollector``).
 
-        Raises the engine's ValueError / TypeError for a request it refuses, and EngineDeadError if
-        the engine stops. Leaving early (break, cancellation) aborts the request."""
+        Raises the engine's ValueError / TypeError for a request it refuses, EngineDeadError if the
+        engine stops, and whatever keeps the request from reaching the engine (then it is forgotten:
+        its id is free again). Leaving early (break, cancellation) aborts the request."""
         if sampling_params.output_kind is not RequestOutputKind.DELTA:
             sampling_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
         stream = _RequestStream(asyncio.get_running_loop(), RequestOutputCollector())
@@ -144,7 +146,12 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request_id={request_id!r} is already in use; give each running request its own id")
             self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, sampling_params))
+        try:
+            self._send(("add", request_id, prompt, sampling_params))
+        except BaseException:  # it never reached the engine (a prompt that cannot be pickled, say)
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
         finished = False
         try:
             while not finished:
@@ -198,8 +205,10 @@ class AsyncLLM:
             pass
 
     def _new_dead_error(self) -> EngineDeadError:
-        error = EngineDeadError(f"the engine stopped: {self._dead_error!r}")
-        error.__cause__ = self._dead_error
+        """A caller's error, saying how the engine stopped: its own words, or the error a step raised."""
+        dead = self._dead_error
+        error = EngineDeadError(str(dead) if isinstance(dead, EngineDeadError) else f"the engine stopped: {dead!r}")
+        error.__cause__ = dead
         return error
 
     # -- the reader thread ---------------------------------------------------------------------
@@ -222,7 +231,7 @@ class AsyncLLM:
                     error = message[1]
                     break
         except EOFError:
-            error = EngineDeadError(f"the engine process exited with {self._process.exitcode}")
+            error = EngineDeadError(f"the engine process {_exit_status(self._process)}")
         except BaseException as failure:  # noqa: BLE001 - whatever stops the reader fails every caller
             error = failure
         self._die(error)
@@ -263,6 +272,21 @@ class AsyncLLM:
             self._streams.clear()
         for stream in streams:
             _deliver_soon(stream.loop, [(stream.collector, self._new_dead_error())])
+
+
+def _exit_status(process: multiprocessing.process.BaseProcess) -> str:
+    """How the process ended ("exited with code 1", "was killed by SIGKILL"), once it has: its end of
+    the pipe closes as it exits, a moment before its status can be read."""
+    process.join(timeout=10)
+    code = process.exitcode
+    if code is None:
+        return "closed its pipe but has not exited"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:  # a number without a name (a real-time signal)
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _deliver_soon(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestOutputCollector, object]]) -> None:

@@ -1,8 +1,17 @@
 """The engine's own process for ``AsyncLLM`` (vLLM's ``EngineCoreProc``): the step loop, fed over a pipe.
 
 It owns an ``LLMEngine`` and runs it as the offline loop does: between steps it applies the requests and
-aborts that have come in, steps while anything is unfinished, and blocks on the pipe when idle. What it
-sends back, in order, one message each:
+aborts that have come in, steps while anything is unfinished, and blocks on the pipe when idle.
+
+A structured-output request is checked at once (``LLMEngine.make_request``: a request the engine refuses
+fails its caller before anything runs), then waits while its grammar compiles on a thread of its own
+(``PendingGrammars``), and is added to the engine once the grammar is ready, as vLLM compiles grammars
+asynchronously and schedules the request when its grammar is: a grammar can take seconds to compile (a
+deep schema, a choice of thousands of options), and compiling it in the step loop would pause every
+stream. xgrammar releases the GIL while it compiles, so the steps go on meanwhile. An abort of a request
+still compiling ends it at once; a grammar that fails to compile fails only its caller.
+
+What it sends back, in order, one message each:
 
 - ``("ready", max_model_len, vocab_size)`` once the engine is built;
 - ``("outputs", outputs, scheduler_stats)`` for each step that made outputs (``scheduler_stats`` None
@@ -15,14 +24,26 @@ sends back, in order, one message each:
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import pickle
 import signal
-from multiprocessing.connection import Connection
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from micro_vllm.config import LLMConfig
+from micro_vllm.core.request import Request
 from micro_vllm.engine.engine import LLMEngine
 from micro_vllm.engine.exceptions import EngineDeadError
-from micro_vllm.engine.request_output import RequestOutput
+from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from micro_vllm.structured_output.manager import StructuredOutputGrammar
+
+logger = logging.getLogger(__name__)
 
 
 def run_engine_core(config: LLMConfig, conn: Connection) -> None:
@@ -34,6 +55,8 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
     except BaseException as error:  # noqa: BLE001 - the caller of AsyncLLM() gets it
         conn.send(("dead", _picklable(error)))
         return
+    if engine.tokenizer is not None:
+        _load_structured_output(engine)
     try:
         conn.send(("ready", engine.max_model_len, engine.vocab_size))
         EngineCoreProc(engine, conn).run()
@@ -41,16 +64,27 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
         engine.shutdown()
 
 
+def _load_structured_output(engine: LLMEngine) -> None:
+    """Build the structured-output manager before any request: with the first constraint, loading
+    xgrammar and reading the vocabulary (a second or more on a CPU) would pause every stream. A
+    tokenizer xgrammar cannot read fails the constraints only, when they come."""
+    try:
+        engine.get_structured_output_manager()
+    except Exception:  # noqa: BLE001 - the same error reaches each constraint's caller
+        logger.warning("structured output is unavailable for this tokenizer", exc_info=True)
+
+
 class EngineCoreProc:
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
         self.announced: set[str] = set()  # requests whose prompt has gone out with an output
+        self.grammars = PendingGrammars()
 
     def run(self) -> None:
         engine = self.engine
         try:
-            while self._apply_commands(block=not engine.has_unfinished_requests()):
+            while self._handle_inputs(block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     if outputs:
@@ -61,16 +95,22 @@ class EngineCoreProc:
             error: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as failure:  # noqa: BLE001 - whatever stops the loop fails every caller
             error = failure
+        self.grammars.shutdown()
         try:
             self.conn.send(("dead", _picklable(error)))
         except OSError:
             pass  # the other side is gone: nobody to tell
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply every command that has come in, waiting for one when ``block``; False on shutdown
-        (asked for, or the other end closed)."""
-        if not block and not self.conn.poll():
-            return True
+    def _handle_inputs(self, block: bool) -> bool:
+        """Add the requests whose grammar has compiled and apply the commands that have come in, waiting
+        for either when ``block``; False on shutdown (asked for, or the other end closed)."""
+        ready = wait([self.conn, self.grammars.ready], timeout=None if block else 0)
+        if self.grammars.ready in ready:
+            self._add_compiled()
+        return self._apply_commands() if self.conn in ready else True
+
+    def _apply_commands(self) -> bool:
+        """Apply every command that has come in (at least one has); False on shutdown."""
         try:
             while True:
                 command = self.conn.recv()
@@ -86,15 +126,52 @@ class EngineCoreProc:
             return False
 
     def _add(self, request_id: str, prompt, params) -> None:
+        """Check and add a request; one with a constraint waits for its grammar to compile."""
         try:
-            self.engine.add_request(request_id, prompt, params)
+            if request_id in self.grammars.requests:
+                raise ValueError(f"request_id={request_id!r} is already in use")
+            request = self.engine.make_request(request_id, prompt, params)
+        except Exception as error:  # noqa: BLE001 - it only checks and builds: whatever it raises is this request's
+            self._refuse(request_id, error)
+            return
+        if params.structured_outputs is not None:
+            try:
+                manager = self.engine.get_structured_output_manager()
+            except Exception as error:  # noqa: BLE001 - xgrammar cannot read this tokenizer (logged at start-up)
+                self._refuse(request_id, error)
+                return
+            self.grammars.submit(request, lambda: manager.grammar_init(params.structured_outputs))
+            return
+        try:
+            self.engine.add_request(request_id, request)
         except (ValueError, TypeError) as error:
-            self.conn.send(("refused", request_id, _picklable(error)))
+            self._refuse(request_id, error)
+
+    def _add_compiled(self) -> None:
+        """Add the requests whose grammar has compiled; refuse those whose grammar failed to."""
+        for request, compiled in self.grammars.take_finished():
+            error = compiled.exception()  # whatever the compile raised (xgrammar raises RuntimeError from C++)
+            if error is not None:
+                self.engine.prompts.pop(request.request_id, None)  # made, never added
+                self._refuse(request.request_id, error)
+                continue
+            request.grammar = compiled.result()
+            try:
+                self.engine.add_request(request.request_id, request)
+            except (ValueError, TypeError) as refusal:
+                self._refuse(request.request_id, refusal)
 
     def _abort(self, request_id: str) -> None:
-        outputs = self.engine.abort_request(request_id)
+        request = self.grammars.cancel(request_id)
+        if request is not None:
+            outputs = [_aborted_output(request, self.engine.prompts.pop(request_id, None))]
+        else:
+            outputs = self.engine.abort_request(request_id)
         if outputs:
             self.conn.send(("outputs", self._compact(outputs), None))
+
+    def _refuse(self, request_id: str, error: BaseException) -> None:
+        self.conn.send(("refused", request_id, _picklable(error)))
 
     def _compact(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Send a request's prompt with its first output only: the other side keeps it from there."""
@@ -106,6 +183,56 @@ class EngineCoreProc:
             if output.finished:
                 self.announced.discard(output.request_id)
         return outputs
+
+
+class PendingGrammars:
+    """Requests whose grammar compiles on a thread beside the step loop; ``ready`` turns readable
+    whenever a compile has finished. One compile at a time, each on at most half the CPUs (the
+    manager's compiler), so that compiling never takes more than half the machine from the steps."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="micro-vllm-grammar")
+        self.ready, self._notify = multiprocessing.Pipe(duplex=False)
+        # The compile thread and the loop (a compile already done when its callback is added, a cancelled
+        # one) share the pipe's sending end.
+        self._notify_lock = threading.Lock()
+        self.requests: dict[str, tuple[Request, Future]] = {}
+
+    def submit(self, request: Request, compile_grammar: Callable[[], StructuredOutputGrammar]) -> None:
+        compiled = self.executor.submit(compile_grammar)
+        self.requests[request.request_id] = (request, compiled)
+        compiled.add_done_callback(self._wake)
+
+    def take_finished(self) -> list[tuple[Request, Future]]:
+        """The requests whose compile has finished (its future holds the grammar or the error)."""
+        while self.ready.poll():
+            self.ready.recv_bytes()
+        finished = [(request, compiled) for request, compiled in self.requests.values() if compiled.done()]
+        for request, _ in finished:
+            del self.requests[request.request_id]
+        return finished
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Forget a request still compiling (a compile under way runs to its end, unused)."""
+        request, compiled = self.requests.pop(request_id, (None, None))
+        if compiled is not None:
+            compiled.cancel()
+        return request
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _wake(self, _: Future) -> None:
+        with self._notify_lock:
+            self._notify.send_bytes(b"")
+
+
+def _aborted_output(request: Request, prompt: str | None) -> RequestOutput:
+    """The last output of a request aborted before it was added: each sequence empty, "abort"."""
+    sequences = [CompletionOutput(index, "", [], None, None, finish_reason="abort")
+                 for index in range(request.sampling_params.n)]
+    return RequestOutput(request.request_id, prompt, request.prompt_token_ids, None, sequences, finished=True,
+                         num_cached_tokens=0)
 
 
 def _picklable(error: BaseException) -> BaseException:

@@ -136,8 +136,6 @@ class LLMEngine:
         self._check_vocabulary("bad_words", [t for word in bad_words for t in word])
         request = Request(request_id, token_ids, params, self.eos_token_ids, bad_words_token_ids=bad_words)
         self.scheduler.check_fits(request)
-        if params.structured_outputs is not None:
-            request.grammar = self._get_structured_output_manager().grammar_init(params.structured_outputs)
         self.prompts[request_id] = text
         return request
 
@@ -145,7 +143,9 @@ class LLMEngine:
         """Queue a prompt (vLLM's signature), or a request ``make_request`` made from one (checked
         before anything was queued; ``params`` is then the request's own and may be left out). One
         with ``n > 1`` runs as ``n`` child requests (``parallel_sampling.py``) that give one output
-        together."""
+        together. A structured-output request's grammar is compiled here unless the request has it
+        already (the engine's process compiles it in the background first, ``core_proc.py``); each
+        child gets a matcher of its own."""
         if not isinstance(prompt, Request):
             prompt = self.make_request(request_id, prompt, params)
         elif prompt.request_id != request_id:
@@ -159,10 +159,12 @@ class LLMEngine:
         for request_id in ids:
             if request_id in self.scheduler.requests or request_id in self.output_processor.parent_requests:
                 raise ValueError(f"request_id={request_id!r} is already in use")
+        for child in requests:
+            constraint = child.sampling_params.structured_outputs
+            if child.grammar is None and constraint is not None:
+                child.grammar = self.get_structured_output_manager().grammar_init(constraint)
         prompt = self.prompts.pop(request.request_id, None)
         for index, child in enumerate(requests):
-            if child.grammar is None and child.sampling_params.structured_outputs is not None:
-                child.grammar = self.structured_output_manager.grammar_init(child.sampling_params.structured_outputs)
             self.output_processor.add_request(child, prompt, parent, index)
             self.scheduler.add_request(child)
 
@@ -265,7 +267,7 @@ class LLMEngine:
         if self._in_step:
             self.abort_all_requests()
 
-    def _get_structured_output_manager(self) -> StructuredOutputManager:
+    def get_structured_output_manager(self) -> StructuredOutputManager:
         """The engine's one manager, built with the first structured-output request (loading xgrammar)."""
         if self.structured_output_manager is None:
             from micro_vllm.structured_output.manager import StructuredOutputManager

@@ -12,6 +12,7 @@ matcher, so its grammar goes on from where it was and needs no rollback.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -24,6 +25,11 @@ from micro_vllm.validation import check_int
 # Compiled grammars are cached by their text; a long-running engine sees unboundedly many schemas, so
 # the cache evicts past this size.
 _COMPILER_CACHE_BYTES = 512 * 1024 * 1024
+
+# Threads one compile may use: half the CPUs, leaving the rest to the step loop (and, served, to the
+# HTTP server), which a long compile would otherwise starve: with xgrammar's default of 8 on a 2-core
+# machine, another client's stream paused for 1.5 s at a time while a large schema compiled.
+_COMPILER_THREADS = max(1, (os.cpu_count() or 2) // 2)
 
 # A bitmask row of all ones (every int32 word -1) lets every token through.
 _ALL_TOKENS = -1
@@ -81,7 +87,8 @@ class StructuredOutputManager:
         tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=None if stop_token_ids is None else sorted(stop_token_ids)
         )
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, cache_limit_bytes=_COMPILER_CACHE_BYTES)
+        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=_COMPILER_THREADS,
+                                            cache_limit_bytes=_COMPILER_CACHE_BYTES)
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
 
     def grammar_init(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:

@@ -1,64 +1,88 @@
 """The FastAPI app of ``micro-vllm serve``: OpenAI's routes, health, metrics, tokenization.
 
 ``build_app`` wires routes to an ``OpenAIServing``; ``run_server`` builds the ``AsyncLLM`` from the
-command line's settings and runs the app under uvicorn. Every refusal is OpenAI's error object with
-its status: 400 for a body that is not JSON or has a missing or wrong field (pydantic's check, before
-any handler runs) and for what the engine refuses, 401 for a wrong API key (routes under /v1), 404 for
-a model this server does not serve; none of them reaches the engine. A dead engine loop gives 500.
+command line's settings and runs the app under uvicorn until it is interrupted or its engine dies.
+
+Every refusal is OpenAI's error object with its status and the field at fault (``param``): 400 for a
+body that is not JSON (or not UTF-8, or nested past 200 levels), a missing or wrong field, a value
+out of its range, and what the engine refuses; 401 for a wrong API key (routes under /v1, checked
+before the body is read); 404 for a model this server does not serve or a route it does not have;
+405 for a wrong method; 413 for a body over ``max_request_body_bytes``. None of them reaches the
+engine, and none is a 500: a 500 is the server's own failure.
+
+When the engine dies (an error in a step, its process killed), the requests it held get a 500 whose
+message says how, ``/health`` answers 503, and the server exits with status 1 within a second, as
+vLLM's API server exits so that its supervisor (systemd, Kubernetes...) starts a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
-from micro_vllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from micro_vllm.entrypoints.openai.serving import OpenAIError, OpenAIServing, error_response
+from micro_vllm.entrypoints.openai.protocol import ErrorResponse, OpenAIError, error_response
+from micro_vllm.entrypoints.openai.serving import OpenAIServing
 from micro_vllm.metrics.loggers import PrometheusStatLogger
+from micro_vllm.validation import check_int, check_optional_int
+
+logger = logging.getLogger(__name__)
+
+# The largest request body, by default: ten megabytes of prompt or chat message with room to spare
+# (a 131,072-token prompt is about a megabyte of text or of token ids).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+
+# How often the server checks that its engine still runs (vLLM's watchdog checks every 5 s).
+WATCHDOG_INTERVAL_S = 1.0
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
-              stat_logger: PrometheusStatLogger, api_key: str | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, served_model_names, model_path)
+              stat_logger: PrometheusStatLogger, api_key: str | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_log_requests: bool = False,
+              max_log_len: int | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, served_model_names, model_path, enable_log_requests, max_log_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        serving.shutdown()
         engine.shutdown()
 
     app = FastAPI(title="micro-vLLM", lifespan=lifespan)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
-        return _error_json(error.response(), error.status)
+        return _error_json(error.response())
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
-        return _error_json(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR),
-                           HTTPStatus.INTERNAL_SERVER_ERROR)
+        return _error_json(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR))
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        problems = error.errors()
-        first = problems[0] if problems else {}
-        field = ".".join(str(part) for part in first.get("loc", ())[1:]) or None  # loc starts with "body"
-        message = "; ".join(f"{'.'.join(map(str, p['loc'][1:])) or 'body'}: {p['msg']}" for p in problems)
-        return _error_json(error_response(message or "invalid request body", HTTPStatus.BAD_REQUEST, field),
-                           HTTPStatus.BAD_REQUEST)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (no such route: 404, a wrong method: 405) in OpenAI's shape."""
+        message = f"{error.detail}: {request.method} {request.url.path}"
+        return _error_json(error_response(message, HTTPStatus(error.status_code)), error.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, error: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # the client left while sending its body: nobody reads this
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        """A failure of the server itself (never of a request's input), also logged with its traceback."""
+        return _error_json(error_response(f"{type(error).__name__}: {error}", HTTPStatus.INTERNAL_SERVER_ERROR))
 
     expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
@@ -68,6 +92,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         if expected is not None and not secrets.compare_digest(request.headers.get("Authorization", "").encode(),
                                                                expected):
             raise OpenAIError("Incorrect API key provided", HTTPStatus.UNAUTHORIZED)
+
+    async def body(request: Request) -> bytes:
+        return await _read_body(request, max_request_body_bytes)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
@@ -84,26 +111,46 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         return serving.show_available_models()
 
     @v1.post("/completions")
-    async def completions(request: CompletionRequest, raw_request: Request):
-        return await _until_disconnected(serving.create_completion(request), raw_request)
+    async def completions(raw_request: Request):
+        return await _until_disconnected(serving.create_completion(await body(raw_request)), raw_request)
 
     @v1.post("/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
-        return await _until_disconnected(serving.create_chat_completion(request), raw_request)
+    async def chat_completions(raw_request: Request):
+        return await _until_disconnected(serving.create_chat_completion(await body(raw_request)), raw_request)
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest):
-        return serving.tokenize(request)
+    async def tokenize(raw_request: Request):
+        return _json(await serving.tokenize(await body(raw_request)))
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest):
-        return serving.detokenize(request)
+    async def detokenize(raw_request: Request):
+        return _json(await serving.detokenize(await body(raw_request)))
 
     app.include_router(v1)
     return app
 
 
-async def _until_disconnected(handler: Coroutine, raw_request: Request):
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it is known to pass ``limit`` bytes: at once when
+    its Content-Length says so, else (a chunked body) when the bytes received pass it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> OpenAIError:
+    return OpenAIError(f"the request body has {'more than ' if size <= limit else ''}{size} bytes; this server takes "
+                       f"at most {limit} (--max-request-body-bytes)", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+
+
+async def _until_disconnected(handler: Coroutine, raw_request: Request) -> Response:
     """Run a generation handler, cancelled (so its request aborted) if the client leaves before the
     response starts; a stream's own cancellation is Starlette's, once it runs."""
     work = asyncio.ensure_future(handler)
@@ -116,7 +163,7 @@ async def _until_disconnected(handler: Coroutine, raw_request: Request):
     result = work.result()
     if isinstance(result, AsyncIterator):
         return StreamingResponse(result, media_type="text/event-stream")
-    return result
+    return _json(result)
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:
@@ -124,16 +171,58 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
         pass
 
 
-def _error_json(body, status: HTTPStatus) -> JSONResponse:
-    return JSONResponse(body.model_dump(), status_code=status)
+def _json(content: str) -> Response:
+    """A response of JSON made on the serving's thread pool (a large one, such as /tokenize's for a
+    long prompt, would take the event loop a while)."""
+    return Response(content, media_type="application/json")
+
+
+def _error_json(body: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body.model_dump(), status_code=body.error.code, headers=headers)
 
 
 def run_server(config, served_model_names: list[str], host: str, port: int, api_key: str | None,
-               access_log: bool = True) -> None:
-    """Load the model, then serve until interrupted."""
-    import uvicorn
-
+               access_log: bool = True, max_request_body_bytes: int | None = None,
+               enable_log_requests: bool = False, max_log_len: int | None = None) -> int:
+    """Load the model, then serve until interrupted (returns 0) or until the engine dies (returns 1).
+    ``max_request_body_bytes`` None is ``DEFAULT_MAX_REQUEST_BODY_BYTES``."""
+    if max_request_body_bytes is None:
+        max_request_body_bytes = DEFAULT_MAX_REQUEST_BODY_BYTES
+    check_int("max_request_body_bytes", max_request_body_bytes, 1, None)  # before the model loads
+    check_optional_int("max_log_len", max_log_len, 0, None)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     stat_logger = PrometheusStatLogger(served_model_names[0])
     engine = AsyncLLM(config, stat_loggers=[stat_logger])
-    app = build_app(engine, served_model_names, config.model_config.model, stat_logger, api_key)
-    uvicorn.run(app, host=host, port=port, access_log=access_log, log_level="info")
+    app = build_app(engine, served_model_names, config.model_config.model, stat_logger, api_key,
+                    max_request_body_bytes, enable_log_requests, max_log_len)
+    server = _Server(uvicorn.Config(app, host=host, port=port, access_log=access_log, log_level="info"), engine)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C during the graceful shutdown, as uvicorn.run allows
+        pass
+    return 1 if engine.errored else 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, shut down once its engine has died (vLLM's watchdog): the requests the engine
+    held have had their 500s, and a fresh server is the supervisor's to start."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def serve(self, sockets=None) -> None:
+        watching = asyncio.create_task(self._watch_engine())
+        try:
+            await super().serve(sockets)
+        finally:
+            watching.cancel()
+
+    async def _watch_engine(self) -> None:
+        while not self.engine.errored:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        try:
+            self.engine.check_health()
+        except EngineDeadError as error:
+            logger.error("%s; shutting the server down so that a supervisor can start a fresh one", error)
+        self.should_exit = True

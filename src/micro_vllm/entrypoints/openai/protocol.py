@@ -1,20 +1,24 @@
-"""OpenAI's request and response bodies (with vLLM's extra request fields), and the one mapping from
-a request to ``SamplingParams``.
+"""OpenAI's request and response bodies (with vLLM's extra request fields), OpenAI's error object, and
+the one mapping from a request to ``SamplingParams``.
 
-Pydantic checks the shape of a body (types, required fields); the values' ranges are checked once,
-by ``SamplingParams``, whose errors name the field and the value.
+Pydantic checks the shape of a body (types, required fields); the values are checked once, by
+``to_sampling_params`` where the rule is the server's (vLLM's rules and messages: ``max_tokens`` against
+the room the prompt leaves, ``stream_options`` only with ``stream``, ``top_logprobs`` only with
+``logprobs``) and by ``SamplingParams`` otherwise, whose errors name the field and the value.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from http import HTTPStatus
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.structured_output import StructuredOutputsParams
+from micro_vllm.validation import short_repr
 
 
 class OpenAIBaseModel(BaseModel):
@@ -31,6 +35,28 @@ class ErrorInfo(OpenAIBaseModel):
 
 class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
+
+
+class OpenAIError(Exception):
+    """A refusal with its HTTP status and the request field at fault, sent as OpenAI's error object."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+    def response(self) -> ErrorResponse:
+        return error_response(str(self), self.status, self.param)
+
+
+def error_response(message: str, status: HTTPStatus, param: str | None = None) -> ErrorResponse:
+    """OpenAI's error object; ``type`` names the status as vLLM and OpenAI's client do: BadRequestError,
+    NotFoundError, InternalServerError..."""
+    name = status.phrase.replace(" ", "")
+    if status == HTTPStatus.UNAUTHORIZED:
+        kind = "AuthenticationError"
+    else:
+        kind = name if name.endswith("Error") else name + "Error"  # not InternalServerErrorError
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status.value))
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -71,8 +97,8 @@ class _SamplingRequest(OpenAIBaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    allowed_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # strict: JSON's true is no token id
+    allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar or json_object
     include_stop_str_in_output: bool = False
@@ -85,7 +111,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    max_tokens: int | None = 16  # OpenAI's default; null: what max_model_len leaves, as in vLLM
     logprobs: int | None = None  # how many top logprobs per token, beside the sampled one's
 
 
@@ -105,26 +132,31 @@ class ChatMessageParam(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessageParam]
+    messages: list[ChatMessageParam] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
 
-def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, room: int) -> SamplingParams:
-    """The request's SamplingParams, streaming DELTA outputs. ``room`` is what ``max_model_len``
-    leaves after the prompt: the default ``max_tokens`` of chat, and a cap on any asked for (vLLM's
-    rule). OpenAI's ``null`` means the engine's default; SamplingParams checks every value."""
-    if isinstance(request, ChatCompletionRequest):
-        max_tokens = request.max_completion_tokens or request.max_tokens or room
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    else:
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens  # OpenAI's default
-        logprobs = request.logprobs
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
+                       max_model_len: int) -> SamplingParams:
+    """The request's SamplingParams, streaming DELTA outputs, for a prompt of ``num_prompt_tokens``.
+    vLLM's rules: the prompt must leave room for a token; a ``max_tokens`` the room cannot hold is
+    refused, and none means all the room. OpenAI's ``null`` means the engine's default."""
+    chat = isinstance(request, ChatCompletionRequest)
+    if num_prompt_tokens >= max_model_len:
+        raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                          f"has {num_prompt_tokens} input tokens. Please reduce the length of the input messages.",
+                          param="messages" if chat else "prompt")
+    if request.stream_options is not None and not request.stream:
+        raise OpenAIError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    structured_outputs = _structured_outputs(request)
+    if structured_outputs is not None:
+        _check_no_token_bans(request)
     return SamplingParams(
         n=request.n,
-        max_tokens=min(max_tokens, room),
+        max_tokens=_max_tokens(request, num_prompt_tokens, max_model_len),
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=request.top_k or 0,
@@ -137,16 +169,67 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, room:
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words,
         min_tokens=request.min_tokens or 0,
-        logprobs=logprobs,
+        logprobs=_chat_logprobs(request) if chat else request.logprobs,
         stop=request.stop,
         stop_token_ids=request.stop_token_ids or (),
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
-        structured_outputs=_structured_outputs(request),
+        structured_outputs=structured_outputs,
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def request_field(request: CompletionRequest | ChatCompletionRequest, name: str) -> str:
+    """The request's field for a SamplingParams or engine field that an error names."""
+    if name == "prompt_token_ids":
+        return "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    if isinstance(request, ChatCompletionRequest):
+        if name == "logprobs":
+            return "top_logprobs"
+        if name == "max_tokens" and request.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return name
+
+
+def _max_tokens(request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
+                max_model_len: int) -> int:
+    """The asked-for ``max_tokens`` (chat: ``max_completion_tokens`` if given), checked against the room
+    the prompt leaves; all of that room when none is asked for."""
+    name = request_field(request, "max_tokens")
+    value = getattr(request, name)
+    room = max_model_len - num_prompt_tokens
+    if value is None:
+        return room
+    if value < 1:
+        raise OpenAIError(f"{name} must be at least 1, got {value}.", param=name)
+    if value > room:
+        raise OpenAIError(f"'max_tokens' or 'max_completion_tokens' is too large: {value}. This model's maximum "
+                          f"context length is {max_model_len} tokens and your request has {num_prompt_tokens} "
+                          f"input tokens ({value} > {max_model_len} - {num_prompt_tokens}).", param=name)
+    return value
+
+
+def _check_no_token_bans(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse, beside a constraint, the fields that ban tokens outright: the two together can leave no
+    token to sample (``min_tokens`` holding back EOS where the grammar allows only EOS, say), and the
+    engine then samples a token the grammar forbids and fails the whole step. vLLM takes them."""
+    for name in ("min_tokens", "allowed_token_ids", "bad_words"):
+        if getattr(request, name):
+            raise OpenAIError(f"{name} cannot be combined with structured output (response_format or "
+                              "structured_outputs) on this server: together they can leave no token to sample",
+                              param=name)
+
+
+def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    """``top_logprobs`` beside each sampled token's logprob when ``logprobs`` is true; vLLM's checks."""
+    top = request.top_logprobs
+    if top is not None and top < 0 and top != -1:
+        raise OpenAIError("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
+    if top and not request.logprobs:
+        raise OpenAIError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    return (top or 0) if request.logprobs else None
 
 
 def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -169,20 +252,30 @@ def _structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> S
     """OpenAI's ``response_format``, or vLLM's ``structured_outputs`` field (json, regex, choice, grammar)."""
     if request.structured_outputs is not None:
         if request.response_format is not None and request.response_format.type != "text":
-            raise ValueError("structured_outputs and response_format are not allowed together; give one")
+            raise OpenAIError("structured_outputs and response_format are not allowed together; give one",
+                              param="structured_outputs")
         try:
             return StructuredOutputsParams(**request.structured_outputs)
         except TypeError:
-            raise ValueError(f"structured_outputs={request.structured_outputs!r} is not allowed; give one of json, "
-                             "regex, choice, grammar or json_object") from None
+            raise OpenAIError(f"structured_outputs={short_repr(request.structured_outputs)} is not allowed; give one "
+                              "of json, regex, choice, grammar or json_object", param="structured_outputs") from None
+        except ValueError as error:
+            if str(error).startswith("structured_outputs."):
+                raise  # it names the field: structured_outputs.regex=...
+            raise OpenAIError(str(error), param="structured_outputs") from None  # two constraints, or none
     response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
         return StructuredOutputsParams(json_object=True)
     if response_format.json_schema is None or response_format.json_schema.json_schema is None:
-        raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
-    return StructuredOutputsParams(json=response_format.json_schema.json_schema)
+        raise OpenAIError("When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+                          param="response_format")
+    try:
+        return StructuredOutputsParams(json=response_format.json_schema.json_schema)
+    except ValueError as error:  # named as the params name it; the client wrote it here
+        message = str(error).replace("structured_outputs.json", "response_format.json_schema.schema", 1)
+        raise OpenAIError(message, param="response_format.json_schema.schema") from None
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -277,7 +370,7 @@ class ModelList(OpenAIBaseModel):
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessageParam] | None = None
+    messages: list[ChatMessageParam] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -290,7 +383,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
