@@ -85,7 +85,7 @@ def test_settings_of_unbuilt_features_are_refused(model, capsys):
 
 def test_serve_takes_the_model_as_an_argument_or_a_flag(monkeypatch):
     calls = []
-    monkeypatch.setattr(api_server, "run_server", lambda config, names, *args, **kwargs: calls.append((config, names)))
+    monkeypatch.setattr(api_server, "run_server", lambda config, names, *args, **kwargs: calls.append((config, names)) or 0)
     assert main(["serve", "--model", "some/model", "--max_num_seqs", "3"]) == 0
     assert main(["serve", "other/model", "--model", "ignored"]) == 0
     [(first, first_names), (second, second_names)] = calls
