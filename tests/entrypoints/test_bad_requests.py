@@ -117,9 +117,6 @@ BAD_REQUESTS = {
     "a body over --max-request-body-bytes": (
         "/v1/completions", b" " * (MAX_BODY + 1), 413, None, f"this server takes at most {MAX_BODY}"),
     "an unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
-    "min_tokens beside a grammar": (
-        "/v1/completions", {"prompt": "x", "min_tokens": 6, "structured_outputs": {"regex": "[0-9]{2}"}}, 400,
-        "min_tokens", "min_tokens cannot be combined with structured output"),
 }
 
 

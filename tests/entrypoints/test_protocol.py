@@ -57,10 +57,6 @@ def test_defaults_and_the_max_tokens_rules():
     (CompletionRequest(prompt="x", structured_outputs={"jsn": {}}), "structured_outputs", "give one of json"),
     (CompletionRequest(prompt="x", structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs",
      "exactly one of"),
-    (ChatCompletionRequest(messages=MESSAGES, response_format={"type": "json_object"}, bad_words=["x"]), "bad_words",
-     "bad_words cannot be combined with structured output"),
-    (CompletionRequest(prompt="x", structured_outputs={"choice": ["a"]}, allowed_token_ids=[5]), "allowed_token_ids",
-     "allowed_token_ids cannot be combined"),
 ])
 def test_vllms_refusals_name_the_field(request_, param, message):
     """What vLLM refuses, with vLLM's message where it has one, and the field the client wrote."""

@@ -54,3 +54,13 @@ def test_json_schema_output_validates(client):
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
     )
     assert json.loads(response.choices[0].message.content) == {"capital": "Paris"}
+
+
+def test_a_choice_beside_min_tokens_still_answers_with_a_choice(client):
+    """``min_tokens`` past the end of every choice holds back EOS where the grammar allows only EOS:
+    the grammar wins, and the answer is a choice that ends with "stop"."""
+    response = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+        temperature=0, max_tokens=10, extra_body={"min_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}})
+    choice = response.choices[0]
+    assert choice.message.content in ("yes", "no") and choice.finish_reason == "stop"

@@ -377,3 +377,25 @@ def test_each_sequence_of_an_n_request_follows_its_own_grammar(llm):
         jsonschema.validate(json.loads(completion.text), schema)
         assert completion.token_ids == single.outputs[0].token_ids
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+
+
+@pytest.mark.real_model
+def test_the_grammar_wins_where_token_bans_leave_no_token_it_allows(llm):
+    """Bans beside a grammar can leave a row no token to sample: ``min_tokens`` holding back EOS where
+    the grammar allows only EOS, ``allowed_token_ids`` outside every token the grammar allows, bad words
+    on its choices. The row then samples under the grammar's mask alone: each output is a choice, ends
+    with "stop", and the unconstrained request of the same steps gives what it gives alone."""
+    tokenizer = llm.engine.tokenizer
+    prompt = chat_texts(tokenizer, ["Is the sky blue? Answer yes or no."])[0]
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    banned = [SamplingParams(max_tokens=8, temperature=0, min_tokens=6, structured_outputs=choice),
+              SamplingParams(max_tokens=8, temperature=0, allowed_token_ids=[tokenizer.eos_token_id],
+                             structured_outputs=choice),
+              SamplingParams(max_tokens=8, temperature=0.8, seed=1, bad_words=["yes", "no", " yes", " no"],
+                             structured_outputs=choice)]
+    outputs = llm.generate([UNCONSTRAINED[0][0]] + [prompt] * len(banned), [UNCONSTRAINED[0][1], *banned],
+                           use_tqdm=False)
+    for output in outputs[1:]:
+        assert output.outputs[0].text in ("yes", "no") and output.outputs[0].finish_reason == "stop"
+    [alone] = llm.generate([UNCONSTRAINED[0][0]], UNCONSTRAINED[0][1], use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == alone.outputs[0].token_ids

@@ -5,7 +5,8 @@ default ``raw_logprobs``: the log-softmax of the model's logits, before anything
 them): the sampled token's and as many top tokens as the row that asks for most. Then a
 structured-output step's grammar bitmask sets every token a grammar forbids to -inf, and vLLM's
 logits processors (``logits_processors.py``: penalties, bad words, ...) apply, so the greedy argmax
-and both routes see the processed logits. Greedy rows take the argmax. Random rows are scaled by
+and both routes see the processed logits; a grammar's row that the processors' bans leave with no
+token falls back to the grammar's mask alone. Greedy rows take the argmax. Random rows are scaled by
 temperature, filtered by min-p and top-k / top-p (a threshold per row, from the row's top
 candidates: no sort of the vocabulary unless a row uses top-p without top-k), and drawn with the
 exponential race (argmax of p / E with E ~ Exp(1)), which needs no cumulative sums and lets each
@@ -108,6 +109,15 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     words = bitmask.to(logits.device, non_blocking=True)
     bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
     logits.masked_fill_(bits.flatten(1)[:, : logits.shape[1]] == 0, float("-inf"))
+
+
+def keep_a_token_the_grammar_allows(processed: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """``processed`` with each row that the logits processors left no token (every logit -inf) taken
+    from ``masked``, the logits under the grammar's mask alone: bans beside a grammar can forbid every
+    token it allows (``min_tokens`` holding back EOS where the grammar allows only EOS, say), and the
+    output must still match its grammar, so the grammar wins over the bans there."""
+    no_token_left = torch.isneginf(processed).all(dim=-1, keepdim=True)
+    return torch.where(no_token_left, masked.float(), processed)
 
 
 def max_top_k(top_k: np.ndarray, top_p: np.ndarray) -> int | None:
@@ -242,7 +252,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.logits_processors is not None:
-            logits = apply_logits_processors(logits, metadata.logits_processors)
+            processed = apply_logits_processors(logits, metadata.logits_processors)
+            if metadata.grammar_bitmask is not None:
+                processed = keep_a_token_the_grammar_allows(processed, logits)
+            logits = processed
         if metadata.all_greedy:
             return self.argmax(logits)
         filtered = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None

@@ -152,8 +152,6 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, num_p
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     structured_outputs = _structured_outputs(request)
-    if structured_outputs is not None:
-        _check_no_token_bans(request)
     return SamplingParams(
         n=request.n,
         max_tokens=_max_tokens(request, num_prompt_tokens, max_model_len),
@@ -209,17 +207,6 @@ def _max_tokens(request: CompletionRequest | ChatCompletionRequest, num_prompt_t
                           f"context length is {max_model_len} tokens and your request has {num_prompt_tokens} "
                           f"input tokens ({value} > {max_model_len} - {num_prompt_tokens}).", param=name)
     return value
-
-
-def _check_no_token_bans(request: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse, beside a constraint, the fields that ban tokens outright: the two together can leave no
-    token to sample (``min_tokens`` holding back EOS where the grammar allows only EOS, say), and the
-    engine then samples a token the grammar forbids and fails the whole step. vLLM takes them."""
-    for name in ("min_tokens", "allowed_token_ids", "bad_words"):
-        if getattr(request, name):
-            raise OpenAIError(f"{name} cannot be combined with structured output (response_format or "
-                              "structured_outputs) on this server: together they can leave no token to sample",
-                              param=name)
 
 
 def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
