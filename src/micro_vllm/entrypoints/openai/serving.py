@@ -334,10 +334,11 @@ class OpenAIServing:
                 yield _sse(response_cls(id=request_id, model=model, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
-    def _stream_choice(self, request, completion: CompletionOutput, chat_deltas: _ChatDeltas | None):
-        """The chunk of a choice's new output; None where a tool parser holds all of it back."""
+    def _stream_choice(self, request, completion: CompletionOutput, chat_deltas: _ChatDeltas | None = None):
+        """The chunk of a choice's new output (a chat choice's through its ``chat_deltas``; None: its
+        text as it is), or None where a tool parser holds all of it back."""
         if isinstance(request, ChatCompletionRequest):
-            delta, finish_reason = chat_deltas.delta(completion)
+            delta, finish_reason = (chat_deltas or _ChatDeltas(None)).delta(completion)
             logprobs = self._chat_logprobs(request, completion.token_ids, completion.logprobs)
             if delta is None and finish_reason is None and logprobs is None:
                 return None

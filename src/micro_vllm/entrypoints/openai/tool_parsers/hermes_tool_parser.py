@@ -10,7 +10,7 @@ from micro_vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ToolParser,
     ToolParserManager,
 )
-from micro_vllm.entrypoints.openai.tool_parsers.utils import ToolCallReader
+from micro_vllm.entrypoints.openai.tool_parsers.utils import ToolCallReader, json_object_end, skip_whitespace
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -39,7 +39,7 @@ class Hermes2ProToolParser(ToolParser):
             before = text[position:start]
             content.append((before.lstrip() if after_call else before).rstrip())
             body_start = start + len(START)
-            end = text.find(END, body_start)
+            end = _end_tag(text, body_start, final)
             whole = end >= 0 or final
             body = text[body_start:end] if end >= 0 else text[body_start:]
             if not whole:
@@ -52,6 +52,16 @@ class Hermes2ProToolParser(ToolParser):
                 break
             position = end + len(END)
         return ParsedOutput("".join(content), calls, valid)
+
+
+def _end_tag(text: str, body_start: int, final: bool) -> int:
+    """Where the call that starts at ``body_start`` ends: the end tag after its JSON object (one inside
+    a string of it does not count), -1 if there is none yet. A stream waits for the object to be whole,
+    unless the output is: its text goes nowhere else meanwhile."""
+    object_end = json_object_end(text, skip_whitespace(text, body_start))
+    if object_end is None and not final:
+        return -1
+    return text.find(END, body_start if object_end is None else object_end)
 
 
 def _without_tag_start(text: str, tag: str) -> str:

@@ -35,6 +35,8 @@ class Llama3JsonToolParser(ToolParser):
             end = json_object_end(text, position)
             whole = end is not None or final
             call, well_formed = self.reader.read(text[position:end], whole)
+            if call is None and end is not None:  # JSON, but not a call: content from here on
+                return ParsedOutput(text[position:] if calls else text, calls, False)
             if call is not None:
                 calls.append(call)
             valid = valid and well_formed
