@@ -44,7 +44,8 @@ TOOLS = [WEATHER, TIME]
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 COMPACT = {str(ord(c)): -100 for c in " \n\t\r"}  # the tiny tokenizer's token id is the byte
 ONE_ITEM = {**COMPACT, str(ord(",")): -100}
-HERMES_CALL = r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}</tool_call>'
+HERMES_CALL = (r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}'
+               r"</tool_call>")
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,8 @@ def check(parser_factory, text: str, content: str | None, calls: list[tuple[str,
     ("<tool_call>\n" + '{"name": "get_weather", "arguments": ' + WEATHER + "}\n</tool_call>",
      None, [("get_weather", WEATHER)]),
     ('Let me look. <tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>\n'
-     '{"name": "b", "arguments": {"x": 1}}\n</tool_call>\nDone.', "Let me look.Done.", [("a", "{}"), ("b", '{"x": 1}')]),
+     '{"name": "b", "arguments": {"x": 1}}\n</tool_call>\nDone.', "Let me look.Done.",
+     [("a", "{}"), ("b", '{"x": 1}')]),
     # Keys the other way round: read once the call is whole, its arguments written out again.
     ('<tool_call>{"arguments": {"x":1}, "name": "b"}</tool_call>', None, [("b", '{"x": 1}')]),
     # A call the output ends in, its closing tag never written.

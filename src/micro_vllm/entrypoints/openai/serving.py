@@ -113,7 +113,8 @@ class OpenAIServing:
         self.model_path = model_path
         self.enable_log_requests = enable_log_requests
         self.max_log_len = max_log_len
-        self.tool_parser: type[ToolParser] | None = ToolParserManager.get_tool_parser(tool_parser) if tool_parser else None
+        self.tool_parser: type[ToolParser] | None = (ToolParserManager.get_tool_parser(tool_parser) if tool_parser
+                                                     else None)
         self._executor = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="micro-vllm-preprocess")
 
     def shutdown(self) -> None:
