@@ -70,7 +70,8 @@ def chat(client, **kwargs):
 
 
 def gathered(chunks) -> tuple[str, list[dict], str]:
-    """A stream's content, its tool calls put together from their pieces, and its finish reason."""
+    """A stream's content, its tool calls put together from their pieces (and how many pieces each
+    came in), and its finish reason."""
     content, calls, finish_reason = "", [], None
     for chunk in chunks:
         [choice] = chunk.choices
@@ -78,10 +79,11 @@ def gathered(chunks) -> tuple[str, list[dict], str]:
         for piece in choice.delta.tool_calls or []:
             if piece.index == len(calls):
                 assert piece.id.startswith("call_") and piece.type == "function" and piece.function.name
-                calls.append({"id": piece.id, "name": piece.function.name, "arguments": ""})
+                calls.append({"id": piece.id, "name": piece.function.name, "arguments": "", "pieces": 0})
             else:
                 assert piece.index == len(calls) - 1 and piece.id is None and not piece.function.name
             calls[-1]["arguments"] += piece.function.arguments or ""
+            calls[-1]["pieces"] += 1
         finish_reason = choice.finish_reason or finish_reason
     return content, calls, finish_reason
 
@@ -100,6 +102,7 @@ def check_whole_and_streamed(client, content: str | None, **kwargs) -> list[dict
     streamed_content, streamed_calls, finish_reason = gathered(chat(client, stream=True, **kwargs))
     assert streamed_content == (content or "") and finish_reason == "tool_calls"
     assert [{k: c[k] for k in ("name", "arguments")} for c in streamed_calls] == calls
+    assert all(c["pieces"] > 1 for c in streamed_calls)  # the arguments came as the model wrote them
     return calls
 
 
