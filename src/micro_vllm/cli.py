@@ -69,6 +69,11 @@ def _add_serve(subparsers) -> None:
                    help="log each request the engine gets: its prompt, params and prompt token ids")
     p.add_argument("--max-log-len", type=int, default=None,
                    help="log at most this many prompt characters or token ids per request (default: all)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer tool_choice='auto' (the default with tools): find tool calls in the output with "
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="the format of the model's tool calls: 'hermes' (Hermes, Qwen2.5, Qwen3) or 'llama3_json'")
 
 
 def _serve(args) -> int:
@@ -76,12 +81,15 @@ def _serve(args) -> int:
     from micro_vllm.model_loader.default_model_download import DEFAULT_MODEL
 
     args.model = args.model_tag or args.model
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     names = args.served_model_name or [args.model or DEFAULT_MODEL]
     return run_server(config, names, args.host, args.port, args.api_key,
                       access_log=not args.disable_uvicorn_access_log,
                       max_request_body_bytes=args.max_request_body_bytes,
-                      enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+                      enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                      tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
 def _add_trace(subparsers) -> None:

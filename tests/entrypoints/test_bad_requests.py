@@ -63,6 +63,8 @@ def nested(depth: int, inner: str = "{}") -> str:
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}}}}}
 
 # (route, body: JSON-able or raw bytes, status, param, a part of the message)
 BAD_REQUESTS = {
@@ -117,6 +119,25 @@ BAD_REQUESTS = {
     "a body over --max-request-body-bytes": (
         "/v1/completions", b" " * (MAX_BODY + 1), 413, None, f"this server takes at most {MAX_BODY}"),
     "an unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    "tools (tool_choice auto) on a server without --enable-auto-tool-choice": (
+        "/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL]}, 400, "tool_choice",
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+    "tool_choice without tools": (
+        "/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice",
+        "When using `tool_choice`, `tools` must be set."),
+    "an empty list of tools": (
+        "/v1/chat/completions", {"messages": MESSAGES, "tools": []}, 400, "tools",
+        "`tools` must not be an empty array"),
+    "a tool that is not a function": (
+        "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "retrieval"}]}, 400, "tools",
+        "tools.0.type: Input should be 'function'"),
+    "a tool_choice that is none of them": (
+        "/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "sometimes"}, 400,
+        "tool_choice", "Input should be 'none', 'auto' or 'required'"),
+    "a tool_choice naming no tool": (
+        "/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": {
+            "type": "function", "function": {"name": "g"}}}, 400, "tool_choice",
+        "The tool specified in `tool_choice` ('g') does not match any of the specified `tools`: ['f']"),
 }
 
 
@@ -303,9 +324,14 @@ PLAUSIBLE = {
             "a": {"type": "integer"}}, "required": ["a"]}}}]),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
     "add_generation_prompt": st.booleans(), "add_special_tokens": st.booleans(),
+    "tools": st.just([TOOL]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
 }
+TOOL_CALL = st.fixed_dictionaries({"id": TEXT, "type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": TEXT, "arguments": TEXT | st.just('{"a": 1}')})})
 MESSAGE = st.fixed_dictionaries({"role": TEXT, "content": TEXT | st.none() | st.lists(
-    st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]) | TEXT, "text": TEXT}), max_size=2)})
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]) | TEXT, "text": TEXT}), max_size=2)},
+    optional={"tool_calls": st.lists(TOOL_CALL, max_size=2) | ANY_JSON, "tool_call_id": TEXT | ANY_JSON})
 # Values a careless or hostile client sends: out of range, of the wrong type, odd text, any JSON.
 HOSTILE = {
     "model": st.just("gpt-4") | TEXT,
@@ -320,6 +346,10 @@ HOSTILE = {
     "response_format": st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "json_object", "json_schema"]) | TEXT},
         optional={"json_schema": st.fixed_dictionaries({}, optional={"name": TEXT, "schema": ANY_JSON})}),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function") | TEXT, "function": st.fixed_dictionaries(
+        {"name": TEXT}, optional={"parameters": ANY_JSON})}) | ANY_JSON, max_size=2),
+    "tool_choice": TEXT | ANY_JSON | st.fixed_dictionaries({"type": st.just("function"),
+                                                            "function": st.fixed_dictionaries({"name": TEXT})}),
 }
 ROUTES = {
     ("POST", "/v1/completions"): ["prompt", "model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p",
@@ -330,7 +360,7 @@ ROUTES = {
     ("POST", "/v1/chat/completions"): ["messages", "model", "max_tokens", "max_completion_tokens", "n",
                                        "temperature", "top_p", "seed", "stop", "stream", "stream_options", "logprobs",
                                        "top_logprobs", "logit_bias", "min_tokens", "ignore_eos", "structured_outputs",
-                                       "response_format", "add_generation_prompt"],
+                                       "response_format", "add_generation_prompt", "tools", "tool_choice"],
     ("POST", "/tokenize"): ["prompt", "model", "add_special_tokens"],
     ("POST", "/detokenize"): ["tokens", "model"],
     ("GET", "/v1/models"): [], ("GET", "/health"): [], ("GET", "/metrics"): [],

@@ -12,11 +12,12 @@ def test_serve_flags_reach_the_config(monkeypatch):
                  "--served-model-name", "a", "b", "--max-model-len", "512", "--max-num-seqs", "3",
                  "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--dtype", "float32",
                  "--device", "cpu", "--disable-uvicorn-access-log", "--max-request-body-bytes", "1000",
-                 "--enable-log-requests", "--max-log-len", "20"]) == 1  # the server's status: its engine died
+                 "--enable-log-requests", "--max-log-len", "20", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "hermes"]) == 1  # the server's status: its engine died
     [((config, names, host, port, api_key), kwargs)] = calls
     assert (names, host, port, api_key) == (["a", "b"], "127.0.0.1", 9001, "k")
     assert kwargs == {"access_log": False, "max_request_body_bytes": 1000, "enable_log_requests": True,
-                      "max_log_len": 20}
+                      "max_log_len": 20, "tool_parser": "hermes"}
     assert (config.model_config.model, config.model_config.device) == ("some/model", "cpu")
     assert (config.scheduler_config.max_model_len, config.scheduler_config.max_num_seqs) == (512, 3)
     assert config.cache_config.gpu_memory_utilization == 0.5 and not config.cache_config.enable_prefix_caching
@@ -30,3 +31,8 @@ def test_a_bad_flag_value_is_an_error_naming_it(capsys):
     assert "max_request_body_bytes=0" in capsys.readouterr().err
     assert main(["serve", "some/model", "--max-log-len", "-1", "--device", "cpu"]) == 2
     assert "max_log_len=-1" in capsys.readouterr().err
+    assert main(["serve", "some/model", "--enable-auto-tool-choice", "--device", "cpu"]) == 2
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+    assert main(["serve", "some/model", "--enable-auto-tool-choice", "--tool-call-parser", "nope",
+                 "--device", "cpu"]) == 2
+    assert "tool_call_parser='nope' is not allowed; it must be one of ['hermes'," in capsys.readouterr().err

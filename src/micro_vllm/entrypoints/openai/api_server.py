@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from micro_vllm.entrypoints.openai.protocol import ErrorResponse, OpenAIError, error_response
 from micro_vllm.entrypoints.openai.serving import OpenAIServing
+from micro_vllm.entrypoints.openai.tool_parsers import ToolParserManager
 from micro_vllm.metrics.loggers import PrometheusStatLogger
 from micro_vllm.validation import check_int, check_optional_int
 
@@ -50,8 +51,8 @@ WATCHDOG_INTERVAL_S = 1.0
 def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
               stat_logger: PrometheusStatLogger, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_log_requests: bool = False,
-              max_log_len: int | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, served_model_names, model_path, enable_log_requests, max_log_len)
+              max_log_len: int | None = None, tool_parser: str | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, served_model_names, model_path, enable_log_requests, max_log_len, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -183,18 +184,22 @@ def _error_json(body: ErrorResponse, headers: dict[str, str] | None = None) -> J
 
 def run_server(config, served_model_names: list[str], host: str, port: int, api_key: str | None,
                access_log: bool = True, max_request_body_bytes: int | None = None,
-               enable_log_requests: bool = False, max_log_len: int | None = None) -> int:
+               enable_log_requests: bool = False, max_log_len: int | None = None,
+               tool_parser: str | None = None) -> int:
     """Load the model, then serve until interrupted (returns 0) or until the engine dies (returns 1).
-    ``max_request_body_bytes`` None is ``DEFAULT_MAX_REQUEST_BODY_BYTES``."""
+    ``max_request_body_bytes`` None is ``DEFAULT_MAX_REQUEST_BODY_BYTES``; ``tool_parser`` is the
+    parser for ``tool_choice="auto"`` (None: "auto" is refused)."""
     if max_request_body_bytes is None:
         max_request_body_bytes = DEFAULT_MAX_REQUEST_BODY_BYTES
     check_int("max_request_body_bytes", max_request_body_bytes, 1, None)  # before the model loads
     check_optional_int("max_log_len", max_log_len, 0, None)
+    if tool_parser is not None:
+        ToolParserManager.get_tool_parser(tool_parser)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     stat_logger = PrometheusStatLogger(served_model_names[0])
     engine = AsyncLLM(config, stat_loggers=[stat_logger])
     app = build_app(engine, served_model_names, config.model_config.model, stat_logger, api_key,
-                    max_request_body_bytes, enable_log_requests, max_log_len)
+                    max_request_body_bytes, enable_log_requests, max_log_len, tool_parser)
     server = _Server(uvicorn.Config(app, host=host, port=port, access_log=access_log, log_level="info"), engine)
     try:
         server.run()

@@ -116,19 +116,71 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None  # how many top logprobs per token, beside the sampled one's
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed piece of the tool call at ``index``: its first carries the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatMessageParam(OpenAIBaseModel):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
+    # An assistant message's tool calls, and a tool message's answer to one: for the chat template.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -137,6 +189,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults); checked in entrypoints.openai.tool_choice.
+    tool_choice: Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoiceParam, None] = None
+    parallel_tool_calls: bool | None = None  # taken and ignored, as vLLM does
 
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,

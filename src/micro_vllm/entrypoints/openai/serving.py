@@ -61,6 +61,14 @@ from micro_vllm.entrypoints.openai.protocol import (
     request_field,
     to_sampling_params,
 )
+from micro_vllm.entrypoints.openai.tool_calling import (
+    prepare_tool_request,
+    template_tool_calls,
+    template_tools,
+    tool_finish_reason,
+    tool_parser_for,
+)
+from micro_vllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.validation import short_repr
 
@@ -92,16 +100,21 @@ class PreparedRequest:
 
 class OpenAIServing:
     """The endpoints on one ``AsyncLLM``. ``enable_log_requests`` logs each request the engine gets,
-    its prompt (text or ids) cut to ``max_log_len`` characters or ids (vLLM's flags; None: whole)."""
+    its prompt (text or ids) cut to ``max_log_len`` characters or ids (vLLM's flags; None: whole).
+    ``tool_parser`` names the parser that finds tool calls for ``tool_choice="auto"`` (vLLM's
+    ``--enable-auto-tool-choice --tool-call-parser NAME``); None refuses "auto"."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], model_path: str,
-                 enable_log_requests: bool = False, max_log_len: int | None = None) -> None:
+                 enable_log_requests: bool = False, max_log_len: int | None = None,
+                 tool_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.model_path = model_path
         self.enable_log_requests = enable_log_requests
         self.max_log_len = max_log_len
+        self.tool_parser: type[ToolParser] | None = (ToolParserManager.get_tool_parser(tool_parser) if tool_parser
+                                                     else None)
         self._executor = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="micro-vllm-preprocess")
 
     def shutdown(self) -> None:
@@ -140,7 +153,8 @@ class OpenAIServing:
     def _prepare_chat(self, body: bytes) -> PreparedRequest:
         request = _parse(ChatCompletionRequest, body)
         self._check_model(request.model)
-        text = self._render_chat(request.messages, request.add_generation_prompt)
+        request = prepare_tool_request(request, self.tool_parser)
+        text = self._render_chat(request.messages, request.add_generation_prompt, template_tools(request))
         # The template already holds any special tokens: encoding must not add them again.
         token_ids = self._encode(text, add_special_tokens=False)
         return PreparedRequest(request, text, token_ids, self._sampling_params(request, token_ids))
@@ -215,13 +229,14 @@ class OpenAIServing:
             return prompt, self._encode(prompt, add_special_tokens=True)
         return None, prompt
 
-    def _render_chat(self, messages: list[ChatMessageParam], add_generation_prompt: bool) -> str:
+    def _render_chat(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> str:
         tokenizer = self._tokenizer()
         if not tokenizer.chat_template:
             raise OpenAIError("this model has no chat template; use /v1/completions", param="messages")
-        conversation = [{"role": m.role, "content": _message_text(m.content)} for m in messages]
+        conversation = [_template_message(m) for m in messages]
         try:
-            return tokenizer.apply_chat_template(conversation, tokenize=False,
+            return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
         except Exception as error:
             # The model's template refuses the conversation (jinja's raise_exception, say): as vLLM does,
@@ -278,8 +293,8 @@ class OpenAIServing:
         if isinstance(request, ChatCompletionRequest):
             response = ChatCompletionResponse(id=request_id, model=model, usage=usage, choices=[
                 ChatCompletionResponseChoice(
-                    index=c.index, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason, logprobs=self._chat_logprobs(request, c.token_ids, c.logprobs),
+                    index=c.index, **self._chat_message(request, c), stop_reason=c.stop_reason,
+                    logprobs=self._chat_logprobs(request, c.token_ids, c.logprobs),
                 ) for c in choices])
         else:
             response = CompletionResponse(id=request_id, model=model, usage=usage, choices=[
@@ -297,18 +312,21 @@ class OpenAIServing:
         chat = isinstance(request, ChatCompletionRequest)
         response_cls = ChatCompletionStreamResponse if chat else CompletionResponse
         num_tokens: dict[int, int] = {}  # each choice's tokens so far, by index
+        chat_deltas: dict[int, _ChatDeltas] = {}
         try:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     for completion in output.outputs:
                         if chat and completion.index not in num_tokens:
+                            chat_deltas[completion.index] = _ChatDeltas(tool_parser_for(request, self.tool_parser))
                             role = ChatCompletionStreamChoice(index=completion.index,
                                                               delta=DeltaMessage(role="assistant", content=""))
                             yield _sse(response_cls(id=request_id, model=model, choices=[role]))
                         num_tokens[completion.index] = num_tokens.get(completion.index, 0) + len(completion.token_ids)
                         if completion.text or completion.finish_reason:
-                            choice = self._stream_choice(request, completion)
-                            yield _sse(response_cls(id=request_id, model=model, choices=[choice]))
+                            choice = self._stream_choice(request, completion, chat_deltas.get(completion.index))
+                            if choice is not None:
+                                yield _sse(response_cls(id=request_id, model=model, choices=[choice]))
         except EngineDeadError as error:
             yield _sse(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR))
         else:
@@ -317,18 +335,33 @@ class OpenAIServing:
                 yield _sse(response_cls(id=request_id, model=model, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
-    def _stream_choice(self, request, completion: CompletionOutput):
+    def _stream_choice(self, request, completion: CompletionOutput, chat_deltas: _ChatDeltas | None = None):
+        """The chunk of a choice's new output (a chat choice's through its ``chat_deltas``; None: its
+        text as it is), or None where a tool parser holds all of it back."""
         if isinstance(request, ChatCompletionRequest):
+            delta, finish_reason = (chat_deltas or _ChatDeltas(None)).delta(completion)
+            logprobs = self._chat_logprobs(request, completion.token_ids, completion.logprobs)
+            if delta is None and finish_reason is None and logprobs is None:
+                return None
             return ChatCompletionStreamChoice(
-                index=completion.index, delta=DeltaMessage(content=completion.text),
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                logprobs=self._chat_logprobs(request, completion.token_ids, completion.logprobs),
+                index=completion.index, delta=delta or DeltaMessage(), finish_reason=finish_reason,
+                stop_reason=completion.stop_reason, logprobs=logprobs,
             )
         return CompletionResponseChoice(
             index=completion.index, text=completion.text, finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             logprobs=self._completion_logprobs(request, completion.token_ids, completion.logprobs),
         )
+
+    def _chat_message(self, request: ChatCompletionRequest, completion: CompletionOutput) -> dict:
+        """A whole chat choice's ``message`` and ``finish_reason``: its text, or the tool calls in it."""
+        parser = tool_parser_for(request, self.tool_parser)
+        if parser is None:
+            return {"message": ChatMessage(role="assistant", content=completion.text),
+                    "finish_reason": completion.finish_reason}
+        extracted = parser.extract_tool_calls(completion.text)
+        return {"message": ChatMessage(role="assistant", content=extracted.content, tool_calls=extracted.tool_calls),
+                "finish_reason": tool_finish_reason(completion.finish_reason, extracted.tools_called)}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
@@ -369,6 +402,23 @@ class OpenAIServing:
         return ChatChoiceLogprobs(content=content)
 
 
+class _ChatDeltas:
+    """One streamed chat choice's deltas: its new text, or what its tool parser reads in it."""
+
+    def __init__(self, tool_parser: ToolParser | None) -> None:
+        self.tool_parser = tool_parser
+        self.text = ""
+
+    def delta(self, completion: CompletionOutput) -> tuple[DeltaMessage | None, str | None]:
+        """The delta for the choice's new output, and its finish reason."""
+        if self.tool_parser is None:
+            return DeltaMessage(content=completion.text), completion.finish_reason
+        self.text += completion.text
+        finished = completion.finish_reason is not None
+        delta = self.tool_parser.extract_tool_calls_streaming(self.text, finished)
+        return delta, tool_finish_reason(completion.finish_reason, self.tool_parser.tools_streamed)
+
+
 def _parse(model: type[BaseModel], body: bytes):
     """The body as ``model``, or a 400 naming the field at fault. Pydantic's own JSON parser refuses
     what is not UTF-8, not JSON, a string with a lone surrogate (no text can hold it) and nesting past
@@ -400,6 +450,18 @@ def _refusal(request, error: Exception) -> OpenAIError:
 def _json_logprob(logprob: float) -> float:
     """A logprob JSON can carry: -inf and NaN (and anything below the floor) become ``LOGPROB_FLOOR``."""
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN fails the comparison too
+
+
+def _template_message(message: ChatMessageParam) -> dict:
+    """A message as the chat template takes it: its text, and any tool calls or tool call it answers."""
+    entry = {"role": message.role, "content": _message_text(message.content)}
+    if message.tool_calls:
+        entry["tool_calls"] = template_tool_calls(message)
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        entry["name"] = message.name
+    return entry
 
 
 def _message_text(content) -> str:
