@@ -84,7 +84,8 @@ class AsyncLLM:
     """Serve requests concurrently from asyncio: ``async for out in llm.generate(prompt, params, id)``.
 
     Building it starts the engine's process and waits until the model is loaded (an engine that
-    cannot be built raises its error here). ``stat_loggers`` get ``record(scheduler_stats,
+    cannot be built raises its error here). It runs one engine: with ``data_parallel_size`` above 1,
+    replica ``data_parallel_rank``; ``DataParallelAsyncLLM`` runs them all. ``stat_loggers`` get ``record(scheduler_stats,
     iteration_stats)`` from the reader thread after every step, and a snapshot whenever the engine
     falls idle or shuts down."""
 
@@ -122,9 +123,12 @@ class AsyncLLM:
         self._reader.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: AsyncEngineArgs, stat_loggers: Iterable = ()) -> AsyncLLM:
-        """vLLM's way to build it: from flat settings (``AsyncEngineArgs``)."""
-        return cls(engine_args.create_engine_config(), stat_loggers)
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, stat_loggers: Iterable = ()):
+        """vLLM's way to build it: from flat settings (``AsyncEngineArgs``); with ``data_parallel_size``
+        above 1, a ``DataParallelAsyncLLM`` of that many replicas."""
+        from micro_vllm.engine.data_parallel import build_async_llm  # it builds on this module
+
+        return build_async_llm(engine_args.create_engine_config(), stat_loggers)
 
     # -- the caller's side (any event loop) ----------------------------------------------------
 

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from micro_vllm.engine.data_parallel import DataParallelAsyncLLM, build_async_llm
 from micro_vllm.entrypoints.openai.protocol import ErrorResponse, OpenAIError, error_response
 from micro_vllm.entrypoints.openai.serving import OpenAIServing
 from micro_vllm.metrics.loggers import PrometheusStatLogger
@@ -47,7 +48,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 WATCHDOG_INTERVAL_S = 1.0
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
+def build_app(engine: AsyncLLM | DataParallelAsyncLLM, served_model_names: list[str], model_path: str,
               stat_logger: PrometheusStatLogger, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_log_requests: bool = False,
               max_log_len: int | None = None) -> FastAPI:
@@ -191,8 +192,8 @@ def run_server(config, served_model_names: list[str], host: str, port: int, api_
     check_int("max_request_body_bytes", max_request_body_bytes, 1, None)  # before the model loads
     check_optional_int("max_log_len", max_log_len, 0, None)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    stat_logger = PrometheusStatLogger(served_model_names[0])
-    engine = AsyncLLM(config, stat_loggers=[stat_logger])
+    stat_logger = PrometheusStatLogger(served_model_names[0], range(config.parallel_config.data_parallel_size))
+    engine = build_async_llm(config, stat_loggers=[stat_logger])
     app = build_app(engine, served_model_names, config.model_config.model, stat_logger, api_key,
                     max_request_body_bytes, enable_log_requests, max_log_len)
     server = _Server(uvicorn.Config(app, host=host, port=port, access_log=access_log, log_level="info"), engine)
@@ -207,7 +208,7 @@ class _Server(uvicorn.Server):
     """uvicorn's server, shut down once its engine has died (vLLM's watchdog): the requests the engine
     held have had their 500s, and a fresh server is the supervisor's to start."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM | DataParallelAsyncLLM) -> None:
         super().__init__(config)
         self.engine = engine
 
