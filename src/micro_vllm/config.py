@@ -227,13 +227,14 @@ class LLMConfig:
         for name, section_cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), section_cls):
                 raise reject(name, getattr(self, name), f"a {section_cls.__name__}")
-        device, parallel = self.model_config.device, self.parallel_config
-        if parallel.tensor_parallel_size > 1 and device.startswith("cuda:"):
-            raise reject("device", device, f"'auto' or 'cuda' with tensor_parallel_size={parallel.tensor_parallel_size}: "
-                         "rank r runs on cuda:r")
-        if parallel.data_parallel_size > 1 and device.startswith("cuda:"):
-            raise reject("device", device, f"'auto' or 'cuda' with data_parallel_size={parallel.data_parallel_size}: "
-                         "replica r runs on the devices from cuda:(r * tensor_parallel_size)")
+        device, ranks = self.model_config.device, self.parallel_config.tensor_parallel_size
+        if ranks > 1 and device.startswith("cuda:"):
+            raise reject("device", device, f"'auto' or 'cuda' with tensor_parallel_size={ranks}: rank r runs on "
+                         "cuda:r")
+        replicas = self.parallel_config.data_parallel_size
+        if replicas > 1 and device.startswith("cuda:"):
+            raise reject("device", device, f"'auto' or 'cuda' with data_parallel_size={replicas}: replica r runs "
+                         "on the devices from cuda:(r * tensor_parallel_size)")
 
 
 _SECTIONS = {"model_config": ModelConfig, "scheduler_config": SchedulerConfig, "cache_config": CacheConfig,

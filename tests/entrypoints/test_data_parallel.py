@@ -20,9 +20,10 @@ from micro_vllm import LLM, SamplingParams
 from micro_vllm.cli import main
 from micro_vllm.config import LLMConfig, ModelConfig, ParallelConfig
 from micro_vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-from micro_vllm.engine.data_parallel import DataParallelAsyncLLM
+from micro_vllm.engine.data_parallel import DataParallelAsyncLLM, _Replica
 from micro_vllm.entrypoints.openai.api_server import build_app
 from micro_vllm.metrics.loggers import PrometheusStatLogger
+from micro_vllm.metrics.stats import SchedulerStats
 from helpers.server import metric, serve_process, spawned_by
 from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
 
@@ -71,6 +72,16 @@ def test_two_replicas_serve_concurrent_requests_as_one_engine(model_dir):
         expected = llm.generate([{"prompt_token_ids": prompt} for prompt, _ in requests],
                                 [SamplingParams(ignore_eos=True, **fields) for _, fields in requests], use_tqdm=False)
     assert texts == [output.outputs[0].text for output in expected]
+
+
+def test_the_load_is_waiting_times_four_plus_running():
+    replica = _Replica(0, [])
+    replica.in_flight = 5  # sent and not finished
+    replica.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=0, kv_total_blocks=8, kv_free_blocks=8,
+                                  kv_cached_blocks=0), None)
+    assert replica.load == 3 * 4 + 2
+    replica.in_flight = 1  # finished since the report, which still counts them running
+    assert replica.load == 1
 
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 24, "ignore_eos": True}

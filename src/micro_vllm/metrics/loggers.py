@@ -2,8 +2,9 @@
 
 Every metric lives in the logger's own registry (one server, one registry; tests build several) and
 carries vLLM's ``model_name`` and ``engine`` labels: a server with data-parallel replicas has one
-series per replica (``engine="0"``, ``engine="1"``...), summed by whoever reads them. Gauges take the latest snapshot; counters add up what each step
-planned or gave out; histograms take one sample per token or per finished request.
+series per replica (``engine="0"``, ``engine="1"``...), summed by whoever reads them. Gauges take the
+latest snapshot; counters add up what each step planned or gave out; histograms take one sample per
+token or per finished request.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The FastAPI app of ``micro-vllm serve``: OpenAI's routes, health, metrics, tokenization.
 
-``build_app`` wires routes to an ``OpenAIServing``; ``run_server`` builds the ``AsyncLLM`` from the
-command line's settings and runs the app under uvicorn until it is interrupted or its engine dies.
+``build_app`` wires routes to an ``OpenAIServing``; ``run_server`` builds the ``AsyncLLM`` (or, with
+``--data-parallel-size``, a ``DataParallelAsyncLLM`` of replicas) from the command line's settings and
+runs the app under uvicorn until it is interrupted or its engine (any replica) dies.
 
 Every refusal is OpenAI's error object with its status and the field at fault (``param``): 400 for a
 body that is not JSON (or not UTF-8, or nested past 200 levels), a missing or wrong field, a value
