@@ -19,7 +19,7 @@ import torch
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.cli import main
 from micro_vllm.config import LLMConfig, ModelConfig, ParallelConfig
-from micro_vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from micro_vllm.engine.arg_utils import AsyncEngineArgs
 from micro_vllm.engine.data_parallel import DataParallelAsyncLLM, _Replica
 from micro_vllm.entrypoints.openai.api_server import build_app
 from micro_vllm.metrics.loggers import PrometheusStatLogger
@@ -129,16 +129,8 @@ def test_a_dead_replica_fails_its_requests_and_health(model_dir):
 
 
 def test_bad_data_parallel_settings_are_refused(model_dir, capsys, monkeypatch):
-    with pytest.raises(ValueError, match=r"data_parallel_size=0 is not allowed; it must be an integer in \[1, "):
-        EngineArgs(model=str(model_dir), data_parallel_size=0).create_engine_config()
     assert main(["serve", str(model_dir), "-dp", "-1", "--device", "cpu"]) == 2
     assert "data_parallel_size=-1 is not allowed" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"data_parallel_rank=2 is not allowed; it must be an integer in \[0, 1\]"):
-        ParallelConfig(data_parallel_size=2, data_parallel_rank=2)
-    with pytest.raises(ValueError, match=r"distributed_executor_backend='ray' is not allowed.*data_parallel_size=2"):
-        ParallelConfig(data_parallel_size=2, distributed_executor_backend="ray")
-    with pytest.raises(ValueError, match=r"device='cuda:1' is not allowed.*data_parallel_size=2"):
-        EngineArgs(model=str(model_dir), device="cuda:1", data_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match=r"data_parallel_size=2 is not allowed; it must be 1 for LLM.*"
                                          r"micro-vllm serve --data-parallel-size 2"):
         LLM(model=str(model_dir), device="cpu", data_parallel_size=2)

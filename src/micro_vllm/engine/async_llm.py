@@ -26,6 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from micro_vllm.config import LLMConfig
 from micro_vllm.engine.arg_utils import AsyncEngineArgs
@@ -37,6 +38,9 @@ from micro_vllm.metrics.stats import IterationStats, RequestStateStats, Schedule
 from micro_vllm.model_loader.checkpoint import resolve_model_path
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from micro_vllm.engine.data_parallel import DataParallelAsyncLLM
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestOutputCollector"]
 
@@ -123,7 +127,8 @@ class AsyncLLM:
         self._reader.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: AsyncEngineArgs, stat_loggers: Iterable = ()):
+    def from_engine_args(cls, engine_args: AsyncEngineArgs,
+                         stat_loggers: Iterable = ()) -> AsyncLLM | DataParallelAsyncLLM:
         """vLLM's way to build it: from flat settings (``AsyncEngineArgs``); with ``data_parallel_size``
         above 1, a ``DataParallelAsyncLLM`` of that many replicas."""
         from micro_vllm.engine.data_parallel import build_async_llm  # it builds on this module
