@@ -88,10 +88,10 @@ class AsyncLLM:
     """Serve requests concurrently from asyncio: ``async for out in llm.generate(prompt, params, id)``.
 
     Building it starts the engine's process and waits until the model is loaded (an engine that
-    cannot be built raises its error here). It runs one engine: with ``data_parallel_size`` above 1,
-    replica ``data_parallel_rank``; ``DataParallelAsyncLLM`` runs them all. ``stat_loggers`` get ``record(scheduler_stats,
+    cannot be built raises its error here). ``stat_loggers`` get ``record(scheduler_stats,
     iteration_stats)`` from the reader thread after every step, and a snapshot whenever the engine
-    falls idle or shuts down."""
+    falls idle or shuts down. It runs one engine: with ``data_parallel_size`` above 1, replica
+    ``data_parallel_rank`` (``DataParallelAsyncLLM`` runs them all)."""
 
     def __init__(self, config: LLMConfig, stat_loggers: Iterable = ()) -> None:
         context = multiprocessing.get_context("spawn")  # a forked child would inherit this process' threads and CUDA state
