@@ -82,6 +82,8 @@ BAD_CONFIG_VALUES = {
     (CacheConfig, "kv_cache_dtype"): ["fp16", "FP8", "fp8_e5m2", None, torch.float8_e4m3fn],
     (ParallelConfig, "tensor_parallel_size"): [0, -1, True, 2.0, "2", None],
     (ParallelConfig, "distributed_executor_backend"): ["RAY", "MP", "", 5],
+    (ParallelConfig, "data_parallel_size"): [0, -1, True, 2.0, "2", None],
+    (ParallelConfig, "data_parallel_rank"): [-1, 1, True, 0.0, None],  # 1: the one replica is 0
     (LLMConfig, "model_config"): ["m", None],
     (LLMConfig, "scheduler_config"): [{}],
     (LLMConfig, "cache_config"): [None],
@@ -234,6 +236,12 @@ def test_parallel_config_refusals_say_why():
     with pytest.raises(ValueError, match=named("device", "cuda:1") + ".*rank r runs on cuda:r"):
         EngineArgs(model="m", device="cuda:1", tensor_parallel_size=2).create_engine_config()
     assert EngineArgs(model="m", tensor_parallel_size=2).create_engine_config().parallel_config.world_size == 2
+    with pytest.raises(ValueError, match=named("data_parallel_rank", 2) + r"an integer in \[0, 1\]"):
+        ParallelConfig(data_parallel_size=2, data_parallel_rank=2)
+    with pytest.raises(ValueError, match=named("distributed_executor_backend", "ray") + ".*data_parallel_size=2"):
+        ParallelConfig(data_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=named("device", "cuda:1") + r".*replica r runs on the devices from cuda:"):
+        EngineArgs(model="m", device="cuda:1", data_parallel_size=2).create_engine_config()
 
 
 def test_keyword_form_names_the_field(tmp_path):

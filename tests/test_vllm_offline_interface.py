@@ -237,7 +237,7 @@ def test_get_metrics_reads_what_the_runs_recorded(model, llm):
                                      use_tqdm=False)
         outputs += recording.generate([[6]], SamplingParams(max_tokens=3, stop_token_ids=[]), use_tqdm=False)
         metrics = {(m.name, tuple(sorted(m.labels.items()))): m for m in recording.get_metrics()}
-    labels = (("model_name", model),)
+    labels = (("engine", "0"), ("model_name", model))
     sequences = [(len(o.prompt_token_ids), c) for o in outputs for c in o.outputs]
     generated = sum(len(c.token_ids) for _, c in sequences)
     counters = {name: m.value for (name, _), m in metrics.items() if isinstance(m, Counter)}
@@ -245,7 +245,7 @@ def test_get_metrics_reads_what_the_runs_recorded(model, llm):
     assert counters["vllm:generation_tokens"] == generated
     reasons = [c.finish_reason for _, c in sequences]
     for reason in set(reasons):
-        success = metrics["vllm:request_success", (("finished_reason", reason), *labels)]
+        success = metrics["vllm:request_success", tuple(sorted((("finished_reason", reason), *labels)))]
         assert success.value == reasons.count(reason)
     assert counters["vllm:prefix_cache_queries"] >= 6  # every prompt token was looked up
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):

@@ -176,16 +176,28 @@ class ParallelConfig:
     """How the model is split over devices (vLLM's names): ``tensor_parallel_size`` ranks, each
     holding a slice of every layer, and the executor that runs them: "uni" (one rank, in the
     engine's process), "mp" (one process per rank) or "ray" (one Ray actor per rank, on one node or
-    several; Ray is an optional dependency). None picks "uni" for one rank, else "mp"."""
+    several; Ray is an optional dependency). None picks "uni" for one rank, else "mp".
+
+    ``data_parallel_size`` whole copies of the model (replicas) serve requests side by side, each an
+    engine of its own with its own tensor-parallel ranks (``engine/data_parallel.py``);
+    ``data_parallel_rank`` is the replica an engine is, set for each by the server's front end. On
+    CUDA replica r's ranks run on devices r * tensor_parallel_size onwards."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         check_field(self, "tensor_parallel_size", check_int, 1)
+        check_field(self, "data_parallel_size", check_int, 1)
+        check_field(self, "data_parallel_rank", check_int, 0, self.data_parallel_size - 1)
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise reject("distributed_executor_backend", backend, f"None or one of {EXECUTOR_BACKENDS}")
+        if backend == "ray" and self.data_parallel_size > 1:  # Ray's GPU placement knows nothing of replicas
+            raise reject("distributed_executor_backend", backend, f"'mp', 'uni' or None with data_parallel_size="
+                         f"{self.data_parallel_size}: replicas on Ray are not built")
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
                              "pip install 'micro-vllm[ray]' (from a checkout: pip install -e '.[ray]')")
@@ -219,6 +231,10 @@ class LLMConfig:
         if ranks > 1 and device.startswith("cuda:"):
             raise reject("device", device, f"'auto' or 'cuda' with tensor_parallel_size={ranks}: rank r runs on "
                          "cuda:r")
+        replicas = self.parallel_config.data_parallel_size
+        if replicas > 1 and device.startswith("cuda:"):
+            raise reject("device", device, f"'auto' or 'cuda' with data_parallel_size={replicas}: replica r runs "
+                         "on the devices from cuda:(r * tensor_parallel_size)")
 
 
 _SECTIONS = {"model_config": ModelConfig, "scheduler_config": SchedulerConfig, "cache_config": CacheConfig,

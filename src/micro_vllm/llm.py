@@ -49,6 +49,11 @@ class LLM:
             raise reject("config", config, "an LLMConfig or a model path (str)", TypeError)
         elif model is not None or kwargs:
             raise TypeError("give LLM either an LLMConfig or keywords, not both")
+        if config.parallel_config.data_parallel_size > 1:
+            replicas = config.parallel_config.data_parallel_size
+            raise reject("data_parallel_size", replicas, f"1 for LLM, which runs one engine: serve {replicas} "
+                         f"replicas behind one server with `micro-vllm serve --data-parallel-size {replicas}`, "
+                         "or start one LLM per replica")
         self.config = config
         self.engine: LLMEngine | None = LLMEngine(config)
         self.stat_logger = None if disable_log_stats else PrometheusStatLogger(config.model_config.model)

@@ -5,13 +5,12 @@ structured-output request give what one rank gives offline."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from helpers.server import serve
+from helpers.server import children, command_line, serve, spawned_by
 from helpers.tiny_models import make_tiny_model
 from micro_vllm import LLM, SamplingParams, StructuredOutputsParams
 
@@ -49,25 +48,3 @@ def test_a_completion_and_a_structured_output_equal_one_rank_offline(server, mod
         ], use_tqdm=False)
     assert [text, choice] == [output.outputs[0].text for output in expected]
     assert streamed == text and choice in CITIES
-
-
-def spawned_by(pid: int) -> list[int]:
-    """The processes that ``pid`` started through multiprocessing (not its resource tracker)."""
-    return [child for child in children(pid) if b"spawn_main" in command_line(child)]
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        if parent == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def command_line(pid: int) -> bytes:
-    return Path(f"/proc/{pid}/cmdline").read_bytes()

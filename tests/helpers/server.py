@@ -106,3 +106,25 @@ def metric(text: str, name: str, **labels: str) -> float:
         if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in wanted):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(f"{name} with {labels} is not in the metrics")
+
+
+def spawned_by(pid: int) -> list[int]:
+    """The processes that ``pid`` started through multiprocessing (not its resource tracker)."""
+    return [child for child in children(pid) if b"spawn_main" in command_line(child)]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if parent == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def command_line(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -81,6 +81,11 @@ class EngineArgs:
     distributed_executor_backend: str | None = _arg(ParallelConfig.distributed_executor_backend, str,
                                                     "uni (one rank, in this process), mp (a process per rank) "
                                                     "or ray (a Ray actor per rank, on one node or several)")
+    data_parallel_size: int = _arg(ParallelConfig.data_parallel_size, int,
+                                   "replicas of the model behind one server, each with its own "
+                                   "tensor-parallel ranks (serve only)", short="-dp")
+    data_parallel_rank: int = _arg(ParallelConfig.data_parallel_rank, None,
+                                   "which replica an engine is (set for each by the server)")
     # LLMConfig
     trace: Any = _arg(None, None, "a JSON-lines path or an object with emit(event)")
     # Not part of the engine's config

@@ -26,6 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from micro_vllm.config import LLMConfig
 from micro_vllm.engine.arg_utils import AsyncEngineArgs
@@ -37,6 +38,9 @@ from micro_vllm.metrics.stats import IterationStats, RequestStateStats, Schedule
 from micro_vllm.model_loader.checkpoint import resolve_model_path
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from micro_vllm.engine.data_parallel import DataParallelAsyncLLM
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestOutputCollector"]
 
@@ -86,7 +90,8 @@ class AsyncLLM:
     Building it starts the engine's process and waits until the model is loaded (an engine that
     cannot be built raises its error here). ``stat_loggers`` get ``record(scheduler_stats,
     iteration_stats)`` from the reader thread after every step, and a snapshot whenever the engine
-    falls idle or shuts down."""
+    falls idle or shuts down. It runs one engine: with ``data_parallel_size`` above 1, replica
+    ``data_parallel_rank`` (``DataParallelAsyncLLM`` runs them all)."""
 
     def __init__(self, config: LLMConfig, stat_loggers: Iterable = ()) -> None:
         context = multiprocessing.get_context("spawn")  # a forked child would inherit this process' threads and CUDA state
@@ -122,9 +127,13 @@ class AsyncLLM:
         self._reader.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: AsyncEngineArgs, stat_loggers: Iterable = ()) -> AsyncLLM:
-        """vLLM's way to build it: from flat settings (``AsyncEngineArgs``)."""
-        return cls(engine_args.create_engine_config(), stat_loggers)
+    def from_engine_args(cls, engine_args: AsyncEngineArgs,
+                         stat_loggers: Iterable = ()) -> AsyncLLM | DataParallelAsyncLLM:
+        """vLLM's way to build it: from flat settings (``AsyncEngineArgs``); with ``data_parallel_size``
+        above 1, a ``DataParallelAsyncLLM`` of that many replicas."""
+        from micro_vllm.engine.data_parallel import build_async_llm  # it builds on this module
+
+        return build_async_llm(engine_args.create_engine_config(), stat_loggers)
 
     # -- the caller's side (any event loop) ----------------------------------------------------
 

@@ -1,11 +1,16 @@
 """The Prometheus exporter: scheduler snapshots and iteration stats into vLLM's metric names.
 
 Every metric lives in the logger's own registry (one server, one registry; tests build several) and
-carries vLLM's ``model_name`` label. Gauges take the latest snapshot; counters add up what each step
-planned or gave out; histograms take one sample per token or per finished request.
+carries vLLM's ``model_name`` and ``engine`` labels: a server with data-parallel replicas has one
+series per replica (``engine="0"``, ``engine="1"``...), summed by whoever reads them. Gauges take the
+latest snapshot; counters add up what each step planned or gave out; histograms take one sample per
+token or per finished request.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,13 +23,17 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
+    """The metrics of the engines ``engine_indexes`` (one per data-parallel replica); ``record`` takes
+    one engine's figures."""
 
-        def make(kind, name: str, documentation: str, **kwargs):
-            metric = kind(name, documentation, labelnames=list(labels), registry=self.registry, **kwargs)
-            return metric.labels(**labels)
+    def __init__(self, model_name: str, engine_indexes: Iterable[int] = (0,)) -> None:
+        self.registry = CollectorRegistry()
+        engines = [str(index) for index in engine_indexes]
+
+        def make(kind, name: str, documentation: str, **kwargs) -> dict[int, Any]:
+            """The metric's series of each engine, by engine index."""
+            metric = kind(name, documentation, labelnames=["model_name", "engine"], registry=self.registry, **kwargs)
+            return {int(engine): metric.labels(model_name=model_name, engine=engine) for engine in engines}
 
         self.num_requests_running = make(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = make(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -49,32 +58,34 @@ class PrometheusStatLogger:
         self.request_generation_tokens = make(Histogram, "vllm:request_generation_tokens",
                                               "Generated tokens of finished requests.", buckets=_TOKEN_BUCKETS)
         self._request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                                        labelnames=[*labels, "finished_reason"], registry=self.registry)
-        self._labels = labels
+                                        labelnames=["model_name", "engine", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
-            self.num_requests_running.set(scheduler_stats.num_running_reqs)
-            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
-            self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
-            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
-            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
-            self.num_preemptions.inc(scheduler_stats.num_preempted_reqs)
+            self.num_requests_running[engine_idx].set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting[engine_idx].set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage[engine_idx].set(scheduler_stats.kv_cache_usage)
+            self.prefix_cache_queries[engine_idx].inc(scheduler_stats.prefix_cache_stats.queries)
+            self.prefix_cache_hits[engine_idx].inc(scheduler_stats.prefix_cache_stats.hits)
+            self.num_preemptions[engine_idx].inc(scheduler_stats.num_preempted_reqs)
         if iteration_stats is None:
             return
-        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
-        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        self.prompt_tokens[engine_idx].inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens[engine_idx].inc(iteration_stats.num_generation_tokens)
         for seconds in iteration_stats.time_to_first_tokens:
-            self.time_to_first_token.observe(seconds)
+            self.time_to_first_token[engine_idx].observe(seconds)
         for seconds in iteration_stats.inter_token_latencies:
-            self.inter_token_latency.observe(seconds)
+            self.inter_token_latency[engine_idx].observe(seconds)
         for finished in iteration_stats.finished_requests:
-            self.e2e_latency.observe(finished.e2e_latency)
+            self.e2e_latency[engine_idx].observe(finished.e2e_latency)
             if finished.mean_time_per_output_token is not None:
-                self.time_per_output_token.observe(finished.mean_time_per_output_token)
-            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
-            self.request_generation_tokens.observe(finished.num_generation_tokens)
-            self._request_success.labels(**self._labels, finished_reason=finished.finish_reason).inc()
+                self.time_per_output_token[engine_idx].observe(finished.mean_time_per_output_token)
+            self.request_prompt_tokens[engine_idx].observe(finished.num_prompt_tokens)
+            self.request_generation_tokens[engine_idx].observe(finished.num_generation_tokens)
+            self._request_success.labels(model_name=self._model_name, engine=str(engine_idx),
+                                         finished_reason=finished.finish_reason).inc()
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format."""

@@ -2,7 +2,8 @@
 
 Under tensor parallelism there is one Worker per rank, each in its own process (``MultiprocExecutor``):
 rank r runs on cuda:r (on CPU, on the cores its process is given), and joins the ranks' process groups
-before it builds its slice of the model.
+before it builds its slice of the model. Rank r of data-parallel replica d runs on
+cuda:(d * tensor_parallel_size + r).
 """
 
 from __future__ import annotations
@@ -109,10 +110,12 @@ class Worker:
                  distributed_init_method: str | None = None) -> None:
         self.config = config
         model_config = config.model_config
-        world_size = config.parallel_config.world_size
+        parallel_config = config.parallel_config
+        world_size = parallel_config.world_size
         device = resolve_device(model_config.device)
-        if world_size > 1 and device.type == "cuda":
-            device = torch.device("cuda", rank)
+        if device.type == "cuda" and world_size * parallel_config.data_parallel_size > 1:
+            # Replica r's ranks take the devices from r * world_size on (ParallelConfig).
+            device = torch.device("cuda", parallel_config.data_parallel_rank * world_size + rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         init_worker_distributed_environment(world_size, rank, distributed_init_method, device)

@@ -1,7 +1,8 @@
 """The FastAPI app of ``micro-vllm serve``: OpenAI's routes, health, metrics, tokenization.
 
-``build_app`` wires routes to an ``OpenAIServing``; ``run_server`` builds the ``AsyncLLM`` from the
-command line's settings and runs the app under uvicorn until it is interrupted or its engine dies.
+``build_app`` wires routes to an ``OpenAIServing``; ``run_server`` builds the ``AsyncLLM`` (or, with
+``--data-parallel-size``, a ``DataParallelAsyncLLM`` of replicas) from the command line's settings and
+runs the app under uvicorn until it is interrupted or its engine (any replica) dies.
 
 Every refusal is OpenAI's error object with its status and the field at fault (``param``): 400 for a
 body that is not JSON (or not UTF-8, or nested past 200 levels), a missing or wrong field, a value
@@ -32,6 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from micro_vllm.engine.data_parallel import DataParallelAsyncLLM, build_async_llm
 from micro_vllm.entrypoints.openai.protocol import ErrorResponse, OpenAIError, error_response
 from micro_vllm.entrypoints.openai.serving import OpenAIServing
 from micro_vllm.entrypoints.openai.tool_parsers import ToolParserManager
@@ -48,7 +50,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 WATCHDOG_INTERVAL_S = 1.0
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
+def build_app(engine: AsyncLLM | DataParallelAsyncLLM, served_model_names: list[str], model_path: str,
               stat_logger: PrometheusStatLogger, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_log_requests: bool = False,
               max_log_len: int | None = None, tool_parser: str | None = None) -> FastAPI:
@@ -196,8 +198,8 @@ def run_server(config, served_model_names: list[str], host: str, port: int, api_
     if tool_parser is not None:
         ToolParserManager.get_tool_parser(tool_parser)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    stat_logger = PrometheusStatLogger(served_model_names[0])
-    engine = AsyncLLM(config, stat_loggers=[stat_logger])
+    stat_logger = PrometheusStatLogger(served_model_names[0], range(config.parallel_config.data_parallel_size))
+    engine = build_async_llm(config, stat_loggers=[stat_logger])
     app = build_app(engine, served_model_names, config.model_config.model, stat_logger, api_key,
                     max_request_body_bytes, enable_log_requests, max_log_len, tool_parser)
     server = _Server(uvicorn.Config(app, host=host, port=port, access_log=access_log, log_level="info"), engine)
@@ -212,7 +214,7 @@ class _Server(uvicorn.Server):
     """uvicorn's server, shut down once its engine has died (vLLM's watchdog): the requests the engine
     held have had their 500s, and a fresh server is the supervisor's to start."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM | DataParallelAsyncLLM) -> None:
         super().__init__(config)
         self.engine = engine
 
