@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from micro_vllm.engine.request_output import CompletionOutput
+from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
 from micro_vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from micro_vllm.entrypoints.openai.serving import LOGPROB_FLOOR, OpenAIServing
+from micro_vllm.entrypoints.openai.serving import LOGPROB_FLOOR, OpenAIServing, PreparedRequest
 from micro_vllm.logprobs import Logprob
 from helpers.server import make_tiny_chat_model, metric, serve_process
 from helpers.tiny_models import VOCAB_SIZE
@@ -178,7 +178,9 @@ def _logprob_values(logprobs: dict | None) -> list[float]:
         return []
     if "content" in logprobs:  # chat
         return [v for c in logprobs["content"] for v in [c["logprob"], *(t["logprob"] for t in c["top_logprobs"])]]
-    return logprobs["token_logprobs"] + [v for top in logprobs["top_logprobs"] for v in top.values()]
+    # an echoed prompt's first token has none
+    return [v for v in logprobs["token_logprobs"] if v is not None] + [
+        v for top in logprobs["top_logprobs"] if top is not None for v in top.values()]
 
 
 class _Tokenizer:
@@ -195,14 +197,22 @@ def test_minus_infinity_and_nan_logprobs_become_the_floor():
     serving = OpenAIServing(_Engine(), [MODEL], MODEL)
     position = {0: Logprob(float("-inf"), 1, "a"), 1: Logprob(float("nan"), 2, "b"), 2: Logprob(-0.5, 3, "c")}
     sequence = CompletionOutput(0, "ab", [0, 1], None, [position, position], finish_reason="length")
-    completion = CompletionRequest(prompt="x", logprobs=3)
-    chat = ChatCompletionRequest(messages=MESSAGES, logprobs=True, top_logprobs=3)
+    completion = CompletionRequest(prompt="x", logprobs=3, echo=True)
+    chat = ChatCompletionRequest(messages=MESSAGES, logprobs=True, top_logprobs=3, prompt_logprobs=3)
     try:
         for request in (completion, chat):
-            whole = json.loads(serving._response_json(request, "id", MODEL, 1, [sequence]))
-            streamed = json.loads(serving._stream_choice(request, sequence).model_dump_json())
-            for logprobs in (whole["choices"][0]["logprobs"], streamed["logprobs"]):
+            prepared = PreparedRequest(request, "a", [0], None)
+            output = RequestOutput("id", "a", [0, 1], [None, position], [sequence], True, 0)
+            whole = json.loads(serving._response_json(request, [prepared], "id", MODEL, [output]))
+            if request is chat:
+                streamed = serving._chat_stream_choice(request, sequence)
+                prompt_logprobs = whole["prompt_logprobs"]
+            else:
+                streamed = serving._completion_choice(request, prepared, sequence, 0, [None, position], first=True)
+                prompt_logprobs = whole["choices"][0]["prompt_logprobs"]
+            for logprobs in (whole["choices"][0]["logprobs"], json.loads(streamed.model_dump_json())["logprobs"]):
                 assert sorted(set(_logprob_values(logprobs))) == [LOGPROB_FLOOR, -0.5]
+            assert sorted({entry["logprob"] for entry in prompt_logprobs[1].values()}) == [LOGPROB_FLOOR, -0.5]
     finally:
         serving.shutdown()
 
