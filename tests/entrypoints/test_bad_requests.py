@@ -293,14 +293,16 @@ SOME_TEXT = st.text(min_size=1, max_size=16)
 # Values a client would send, nearly all of them valid (n and max_tokens small, to keep requests short).
 PLAUSIBLE = {
     "model": st.just(MODEL),
-    "prompt": SOME_TEXT | TOKEN_IDS | st.lists(SOME_TEXT, min_size=1, max_size=1),
+    "prompt": SOME_TEXT | TOKEN_IDS | st.lists(SOME_TEXT, min_size=1, max_size=3) | st.lists(TOKEN_IDS, min_size=1,
+                                                                                             max_size=3),
     "messages": st.lists(st.fixed_dictionaries({"role": ROLE, "content": SOME_TEXT}), min_size=1, max_size=3),
     "tokens": TOKEN_IDS,
     "max_tokens": st.integers(1, 8), "max_completion_tokens": st.integers(1, 8), "n": st.integers(1, 3),
     "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50),
     "min_p": st.floats(0, 1), "seed": st.integers(0, 2**63 - 1),
     "stop": st.lists(SOME_TEXT, max_size=3), "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()},
+                                            optional={"continuous_usage_stats": st.booleans()}),
     "logprobs": st.integers(0, 5), "top_logprobs": st.integers(0, 5),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.5, 2),
@@ -316,6 +318,8 @@ PLAUSIBLE = {
             "a": {"type": "integer"}}, "required": ["a"]}}}]),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
     "add_generation_prompt": st.booleans(), "add_special_tokens": st.booleans(),
+    "echo": st.booleans(), "prompt_logprobs": st.integers(0, 5), "return_token_ids": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(), "return_token_strs": st.booleans(),
 }
 MESSAGE = st.fixed_dictionaries({"role": TEXT, "content": TEXT | st.none() | st.lists(
     st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]) | TEXT, "text": TEXT}), max_size=2)})
@@ -327,6 +331,7 @@ HOSTILE = {
     "messages": st.lists(MESSAGE, max_size=3),
     "n": st.sampled_from([-1, 0, 16385, 2**40, 1.5, "2"]),
     "logprobs": st.booleans() | st.integers(-2, 22), "top_logprobs": st.integers(-2, 22),
+    "prompt_logprobs": st.booleans() | st.integers(-2, 22), "max_tokens": st.integers(-1, 1),
     "logit_bias": st.dictionaries(st.sampled_from(["5", "-1", "300", "x", "1e3"]), INTERESTING_FLOATS, max_size=3),
     "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object"])
                                           | TEXT, ANY_JSON, max_size=2),
@@ -339,14 +344,19 @@ ROUTES = {
                                   "seed", "stop", "stream", "stream_options", "logprobs", "presence_penalty",
                                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
                                   "stop_token_ids", "allowed_token_ids", "bad_words", "structured_outputs",
-                                  "response_format", "include_stop_str_in_output", "skip_special_tokens"],
+                                  "response_format", "include_stop_str_in_output", "skip_special_tokens", "echo",
+                                  "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids"],
     ("POST", "/v1/chat/completions"): ["messages", "model", "max_tokens", "max_completion_tokens", "n",
                                        "temperature", "top_p", "seed", "stop", "stream", "stream_options", "logprobs",
                                        "top_logprobs", "logit_bias", "min_tokens", "ignore_eos", "structured_outputs",
-                                       "response_format", "add_generation_prompt"],
-    ("POST", "/tokenize"): ["prompt", "model", "add_special_tokens"],
+                                       "response_format", "add_generation_prompt", "prompt_logprobs",
+                                       "return_token_ids", "return_tokens_as_token_ids"],
+    ("POST", "/invocations"): ["prompt", "messages", "max_tokens", "stream", "echo", "logprobs", "n"],
+    ("POST", "/tokenize"): ["prompt", "model", "add_special_tokens", "return_token_strs"],
+    ("POST", "/tokenize", "chat form"): ["messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"],
     ("POST", "/detokenize"): ["tokens", "model"],
-    ("GET", "/v1/models"): [], ("GET", "/health"): [], ("GET", "/metrics"): [],
+    ("GET", "/v1/models"): [], ("GET", "/health"): [], ("GET", "/metrics"): [], ("GET", "/load"): [],
+    ("GET", "/version"): [], ("GET", "/tokenizer_info"): [],
     ("GET", "/v1/completions"): [], ("DELETE", "/tokenize"): [], ("POST", "/v1/nothing"): [],
 }
 
@@ -355,13 +365,14 @@ ROUTES = {
 def random_requests(draw) -> tuple[str, str, bytes]:
     """A route and a body: a plausible one (its first field, the one the route needs, and a few
     others), the same with a field or two hostile, any JSON, or any bytes."""
-    method, path = draw(st.sampled_from(list(ROUTES)))
+    route = draw(st.sampled_from(list(ROUTES)))
+    method, path = route[:2]
     kind = draw(st.sampled_from(["plausible"] * 3 + ["hostile"] * 3 + ["json", "bytes"]))
     if kind == "bytes":
         return method, path, draw(st.binary(max_size=64))
-    if kind == "json" or not ROUTES[method, path]:
+    if kind == "json" or not ROUTES[route]:
         return method, path, json.dumps(draw(ANY_JSON)).encode()
-    required, *optional = ROUTES[method, path]
+    required, *optional = ROUTES[route]
     names = [required] + draw(st.lists(st.sampled_from(optional), unique=True, max_size=5))
     body = {name: draw(PLAUSIBLE[name]) for name in names}
     if kind == "hostile":
