@@ -349,6 +349,7 @@ class OpenAIServing:
         event (the status was sent already)."""
         chat = isinstance(request, ChatCompletionRequest)
         response_cls = ChatCompletionStreamResponse if chat else CompletionResponse
+        continuous_usage = request.include_continuous_usage
         num_tokens: dict[int, int] = {}  # each choice's tokens so far, by index
         text_lengths: dict[int, int] = {}  # each choice's text so far (the logprobs' text_offset), by index
         prompt_logprobs: dict[int, list] = {}  # each prompt's, as the engine gives them with its first tokens
@@ -362,14 +363,8 @@ class OpenAIServing:
                         index = prompt_index * request.n + completion.index
                         first = index not in num_tokens
                         num_tokens[index] = num_tokens.get(index, 0) + _num_completion_tokens(request, completion)
-                        usage = _usage(len(one.token_ids), num_tokens[index])
                         if first and chat:
-                            role = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant",
-                                                                                              content=""))
-                            yield _sse(response_cls(
-                                id=request_id, model=model, choices=[role],
-                                prompt_token_ids=one.token_ids if request.return_token_ids else None,
-                                usage=_usage(len(one.token_ids), 0) if request.include_continuous_usage else None))
+                            yield _sse(_chat_role_chunk(request, one, index, request_id, model))
                         if not (first or completion.token_ids or completion.finish_reason):
                             continue
                         if chat:
@@ -379,8 +374,8 @@ class OpenAIServing:
                                                              prompt_logprobs.get(prompt_index), first,
                                                              text_lengths.get(index, 0))
                             text_lengths[index] = text_lengths.get(index, 0) + len(choice.text)
-                        yield _sse(response_cls(id=request_id, model=model, choices=[choice],
-                                                usage=usage if request.include_continuous_usage else None))
+                        usage = _usage(len(one.token_ids), num_tokens[index]) if continuous_usage else None
+                        yield _sse(response_cls(id=request_id, model=model, choices=[choice], usage=usage))
         except EngineDeadError as error:
             yield _sse(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR))
         else:
@@ -577,6 +572,16 @@ async def _merge(streams: list[AsyncGenerator[_T, None]]) -> AsyncGenerator[tupl
         await asyncio.gather(*pending, return_exceptions=True)  # a stream is closed once it has stopped
         for stream in streams:
             await stream.aclose()
+
+
+def _chat_role_chunk(request: ChatCompletionRequest, prepared: PreparedRequest, index: int, request_id: str,
+                     model: str) -> ChatCompletionStreamResponse:
+    """A chat choice's first chunk: the role, and with ``return_token_ids`` the prompt's ids."""
+    role = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+    return ChatCompletionStreamResponse(
+        id=request_id, model=model, choices=[role],
+        prompt_token_ids=prepared.token_ids if request.return_token_ids else None,
+        usage=_usage(len(prepared.token_ids), 0) if request.include_continuous_usage else None)
 
 
 def _num_completion_tokens(request, completion: CompletionOutput) -> int:
