@@ -18,6 +18,7 @@ from helpers.server import make_tiny_chat_model, serve
 from helpers.tiny_models import BOS_TOKEN_ID
 from micro_vllm import LLM, SamplingParams, __version__
 from micro_vllm.entrypoints.openai.api_server import ServerLoad, _LoadTracker
+from micro_vllm.entrypoints.openai.serving import MAX_COMPLETION_PROMPTS
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
@@ -235,6 +236,8 @@ def test_max_logprobs_caps_every_logprobs_field(http, path, body, param):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0."),
     ({"prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs", "prompt_logprobs=-2 is not allowed"),
     ({"prompt": ["x", ""]}, "prompt", "prompt is empty"),
+    ({"prompt": [[1]] * (MAX_COMPLETION_PROMPTS + 1)}, "prompt", f"prompt list length {MAX_COMPLETION_PROMPTS + 1} "
+     f"exceeds the maximum allowed count of {MAX_COMPLETION_PROMPTS}"),
     ({"prompt": [[1, 2], [300]], "echo": True}, "prompt", "outside the vocabulary"),
     ({"prompt": ["x", "y" * MAX_MODEL_LEN]}, "prompt", "maximum context length"),
     ({"prompt": "x", "stream": True, "prompt_logprobs": -1}, "prompt_logprobs", "not available when `stream=True`"),

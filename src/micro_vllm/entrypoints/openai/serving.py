@@ -83,6 +83,10 @@ LOGPROB_FLOOR = -9999.0
 # At most this many of pydantic's complaints about a body go into the message.
 _MAX_PROBLEMS = 5
 
+# The most prompts one completion request may list (vLLM's VLLM_MAX_COMPLETION_PROMPTS default): each
+# is an engine request, and a body of a few megabytes could otherwise list millions.
+MAX_COMPLETION_PROMPTS = 1024
+
 _T = TypeVar("_T")
 
 
@@ -237,6 +241,9 @@ class OpenAIServing:
         """Each prompt of the request (one, or a list of texts or of token id lists): its text (None
         when given as ids) and its ids."""
         prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(prompts) > MAX_COMPLETION_PROMPTS:
+            raise OpenAIError(f"prompt list length {len(prompts)} exceeds the maximum allowed count of "
+                              f"{MAX_COMPLETION_PROMPTS}", param="prompt")
         result = []
         for one in prompts:
             if not one:
