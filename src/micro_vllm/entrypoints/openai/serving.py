@@ -410,8 +410,14 @@ class OpenAIServing:
         text = (prepared.text if echo else "") + (completion.text if shown else "")
         logprobs = None
         if request.logprobs is not None:
-            token_ids = (prepared.token_ids if echo else []) + (completion.token_ids if shown else [])
-            positions = ((prompt_logprobs or []) if echo else []) + ((completion.logprobs or []) if shown else [])
+            # A position without logprobs is nulls rather than a shift of every later one.
+            token_ids, positions = [], []
+            if echo:
+                token_ids += prepared.token_ids
+                positions += prompt_logprobs or [None] * len(prepared.token_ids)
+            if shown:
+                token_ids += completion.token_ids
+                positions += completion.logprobs or [None] * len(completion.token_ids)
             logprobs = self._completion_logprobs(request, token_ids, positions, text_offset)
         return CompletionResponseChoice(
             index=index, text=text, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
