@@ -1,10 +1,11 @@
-"""OpenAI's request and response bodies (with vLLM's extra request fields), OpenAI's error object, and
-the one mapping from a request to ``SamplingParams``.
+"""OpenAI's request and response bodies (with vLLM's extra request and response fields), OpenAI's error
+object, and the one mapping from a request to ``SamplingParams``.
 
 Pydantic checks the shape of a body (types, required fields); the values are checked once, by
 ``to_sampling_params`` where the rule is the server's (vLLM's rules and messages: ``max_tokens`` against
 the room the prompt leaves, ``stream_options`` only with ``stream``, ``top_logprobs`` only with
-``logprobs``) and by ``SamplingParams`` otherwise, whose errors name the field and the value.
+``logprobs``, ``prompt_logprobs`` not with ``stream``) and by ``SamplingParams`` otherwise, whose errors
+name the field and the value.
 """
 
 from __future__ import annotations
