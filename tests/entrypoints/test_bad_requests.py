@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from micro_vllm.engine.request_output import CompletionOutput
+from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
 from micro_vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from micro_vllm.entrypoints.openai.serving import LOGPROB_FLOOR, OpenAIServing
+from micro_vllm.entrypoints.openai.serving import LOGPROB_FLOOR, OpenAIServing, PreparedRequest
 from micro_vllm.logprobs import Logprob
 from helpers.server import make_tiny_chat_model, metric, serve_process
 from helpers.tiny_models import VOCAB_SIZE
@@ -196,7 +196,9 @@ def _logprob_values(logprobs: dict | None) -> list[float]:
         return []
     if "content" in logprobs:  # chat
         return [v for c in logprobs["content"] for v in [c["logprob"], *(t["logprob"] for t in c["top_logprobs"])]]
-    return logprobs["token_logprobs"] + [v for top in logprobs["top_logprobs"] for v in top.values()]
+    # an echoed prompt's first token has none
+    return [v for v in logprobs["token_logprobs"] if v is not None] + [
+        v for top in logprobs["top_logprobs"] if top is not None for v in top.values()]
 
 
 class _Tokenizer:
@@ -213,14 +215,22 @@ def test_minus_infinity_and_nan_logprobs_become_the_floor():
     serving = OpenAIServing(_Engine(), [MODEL], MODEL)
     position = {0: Logprob(float("-inf"), 1, "a"), 1: Logprob(float("nan"), 2, "b"), 2: Logprob(-0.5, 3, "c")}
     sequence = CompletionOutput(0, "ab", [0, 1], None, [position, position], finish_reason="length")
-    completion = CompletionRequest(prompt="x", logprobs=3)
-    chat = ChatCompletionRequest(messages=MESSAGES, logprobs=True, top_logprobs=3)
+    completion = CompletionRequest(prompt="x", logprobs=3, echo=True)
+    chat = ChatCompletionRequest(messages=MESSAGES, logprobs=True, top_logprobs=3, prompt_logprobs=3)
     try:
         for request in (completion, chat):
-            whole = json.loads(serving._response_json(request, "id", MODEL, 1, [sequence]))
-            streamed = json.loads(serving._stream_choice(request, sequence).model_dump_json())
-            for logprobs in (whole["choices"][0]["logprobs"], streamed["logprobs"]):
+            prepared = PreparedRequest(request, "a", [0], None)
+            output = RequestOutput("id", "a", [0, 1], [None, position], [sequence], True, 0)
+            whole = json.loads(serving._response_json(request, [prepared], "id", MODEL, [output]))
+            if request is chat:
+                streamed = serving._chat_stream_choice(request, sequence)
+                prompt_logprobs = whole["prompt_logprobs"]
+            else:
+                streamed = serving._completion_choice(request, prepared, sequence, 0, [None, position], first=True)
+                prompt_logprobs = whole["choices"][0]["prompt_logprobs"]
+            for logprobs in (whole["choices"][0]["logprobs"], json.loads(streamed.model_dump_json())["logprobs"]):
                 assert sorted(set(_logprob_values(logprobs))) == [LOGPROB_FLOOR, -0.5]
+            assert sorted({entry["logprob"] for entry in prompt_logprobs[1].values()}) == [LOGPROB_FLOOR, -0.5]
     finally:
         serving.shutdown()
 
@@ -301,14 +311,16 @@ SOME_TEXT = st.text(min_size=1, max_size=16)
 # Values a client would send, nearly all of them valid (n and max_tokens small, to keep requests short).
 PLAUSIBLE = {
     "model": st.just(MODEL),
-    "prompt": SOME_TEXT | TOKEN_IDS | st.lists(SOME_TEXT, min_size=1, max_size=1),
+    "prompt": SOME_TEXT | TOKEN_IDS | st.lists(SOME_TEXT, min_size=1, max_size=3) | st.lists(TOKEN_IDS, min_size=1,
+                                                                                             max_size=3),
     "messages": st.lists(st.fixed_dictionaries({"role": ROLE, "content": SOME_TEXT}), min_size=1, max_size=3),
     "tokens": TOKEN_IDS,
     "max_tokens": st.integers(1, 8), "max_completion_tokens": st.integers(1, 8), "n": st.integers(1, 3),
     "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50),
     "min_p": st.floats(0, 1), "seed": st.integers(0, 2**63 - 1),
     "stop": st.lists(SOME_TEXT, max_size=3), "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()},
+                                            optional={"continuous_usage_stats": st.booleans()}),
     "logprobs": st.integers(0, 5), "top_logprobs": st.integers(0, 5),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.5, 2),
@@ -326,6 +338,8 @@ PLAUSIBLE = {
     "add_generation_prompt": st.booleans(), "add_special_tokens": st.booleans(),
     "tools": st.just([TOOL]),
     "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "echo": st.booleans(), "prompt_logprobs": st.integers(0, 5), "return_token_ids": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(), "return_token_strs": st.booleans(),
 }
 TOOL_CALL = st.fixed_dictionaries({"id": TEXT, "type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": TEXT, "arguments": TEXT | st.just('{"a": 1}')})})
@@ -340,6 +354,7 @@ HOSTILE = {
     "messages": st.lists(MESSAGE, max_size=3),
     "n": st.sampled_from([-1, 0, 16385, 2**40, 1.5, "2"]),
     "logprobs": st.booleans() | st.integers(-2, 22), "top_logprobs": st.integers(-2, 22),
+    "prompt_logprobs": st.booleans() | st.integers(-2, 22), "max_tokens": st.integers(-1, 1),
     "logit_bias": st.dictionaries(st.sampled_from(["5", "-1", "300", "x", "1e3"]), INTERESTING_FLOATS, max_size=3),
     "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object"])
                                           | TEXT, ANY_JSON, max_size=2),
@@ -356,14 +371,20 @@ ROUTES = {
                                   "seed", "stop", "stream", "stream_options", "logprobs", "presence_penalty",
                                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
                                   "stop_token_ids", "allowed_token_ids", "bad_words", "structured_outputs",
-                                  "response_format", "include_stop_str_in_output", "skip_special_tokens"],
+                                  "response_format", "include_stop_str_in_output", "skip_special_tokens", "echo",
+                                  "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids"],
     ("POST", "/v1/chat/completions"): ["messages", "model", "max_tokens", "max_completion_tokens", "n",
                                        "temperature", "top_p", "seed", "stop", "stream", "stream_options", "logprobs",
                                        "top_logprobs", "logit_bias", "min_tokens", "ignore_eos", "structured_outputs",
-                                       "response_format", "add_generation_prompt", "tools", "tool_choice"],
-    ("POST", "/tokenize"): ["prompt", "model", "add_special_tokens"],
+                                       "response_format", "add_generation_prompt", "tools", "tool_choice",
+                                       "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids"],
+    ("POST", "/invocations"): ["prompt", "messages", "max_tokens", "stream", "echo", "logprobs", "n"],
+    ("POST", "/tokenize"): ["prompt", "model", "add_special_tokens", "return_token_strs"],
+    ("POST", "/tokenize", "chat form"): ["messages", "add_special_tokens", "add_generation_prompt",
+                                         "return_token_strs"],
     ("POST", "/detokenize"): ["tokens", "model"],
-    ("GET", "/v1/models"): [], ("GET", "/health"): [], ("GET", "/metrics"): [],
+    ("GET", "/v1/models"): [], ("GET", "/health"): [], ("GET", "/metrics"): [], ("GET", "/load"): [],
+    ("GET", "/version"): [], ("GET", "/tokenizer_info"): [],
     ("GET", "/v1/completions"): [], ("DELETE", "/tokenize"): [], ("POST", "/v1/nothing"): [],
 }
 
@@ -372,13 +393,14 @@ ROUTES = {
 def random_requests(draw) -> tuple[str, str, bytes]:
     """A route and a body: a plausible one (its first field, the one the route needs, and a few
     others), the same with a field or two hostile, any JSON, or any bytes."""
-    method, path = draw(st.sampled_from(list(ROUTES)))
+    route = draw(st.sampled_from(list(ROUTES)))
+    method, path = route[:2]
     kind = draw(st.sampled_from(["plausible"] * 3 + ["hostile"] * 3 + ["json", "bytes"]))
     if kind == "bytes":
         return method, path, draw(st.binary(max_size=64))
-    if kind == "json" or not ROUTES[method, path]:
+    if kind == "json" or not ROUTES[route]:
         return method, path, json.dumps(draw(ANY_JSON)).encode()
-    required, *optional = ROUTES[method, path]
+    required, *optional = ROUTES[route]
     names = [required] + draw(st.lists(st.sampled_from(optional), unique=True, max_size=5))
     body = {name: draw(PLAUSIBLE[name]) for name in names}
     if kind == "hostile":

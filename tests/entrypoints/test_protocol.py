@@ -57,6 +57,9 @@ def test_defaults_and_the_max_tokens_rules():
     (CompletionRequest(prompt="x", structured_outputs={"jsn": {}}), "structured_outputs", "give one of json"),
     (CompletionRequest(prompt="x", structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs",
      "exactly one of"),
+    (CompletionRequest(prompt="x", stream=True, prompt_logprobs=1), "prompt_logprobs",
+     "`prompt_logprobs` are not available when `stream=True`."),
+    (ChatCompletionRequest(messages=MESSAGES, stream=True, prompt_logprobs=-1), "prompt_logprobs", "not available"),
 ])
 def test_vllms_refusals_name_the_field(request_, param, message):
     """What vLLM refuses, with vLLM's message where it has one, and the field the client wrote."""
@@ -134,3 +137,17 @@ def test_bad_values_are_refused_by_sampling_params():
         sampling_params(CompletionRequest(prompt="x", top_p=2), room=50)
     with pytest.raises(ValueError, match="logit_bias=.*keys must be token ids"):
         sampling_params(CompletionRequest(prompt="x", logit_bias={"a": 1.0}), room=50)
+
+
+def test_echo_and_prompt_logprobs():
+    """vLLM's rules: echo's prompt logprobs are as many as ``logprobs`` unless ``prompt_logprobs`` says;
+    echo with ``max_tokens=0`` samples one token (that the response leaves out); ``prompt_logprobs=0``
+    may stream."""
+    echo = sampling_params(CompletionRequest(prompt="x", echo=True, logprobs=2))
+    assert (echo.logprobs, echo.prompt_logprobs, echo.max_tokens) == (2, 2, 16)
+    both = sampling_params(CompletionRequest(prompt="x", echo=True, logprobs=2, prompt_logprobs=4))
+    assert (both.logprobs, both.prompt_logprobs) == (2, 4)
+    assert sampling_params(CompletionRequest(prompt="x", echo=True)).prompt_logprobs is None
+    assert sampling_params(CompletionRequest(prompt="x", echo=True, max_tokens=0)).max_tokens == 1
+    chat = sampling_params(ChatCompletionRequest(messages=MESSAGES, prompt_logprobs=0, stream=True))
+    assert (chat.prompt_logprobs, chat.logprobs) == (0, None)

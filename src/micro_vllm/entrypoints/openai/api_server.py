@@ -1,4 +1,5 @@
-"""The FastAPI app of ``micro-vllm serve``: OpenAI's routes, health, metrics, tokenization.
+"""The FastAPI app of ``micro-vllm serve``: OpenAI's routes, health, metrics, tokenization, and vLLM's
+other routes (/load, /version, /tokenizer_info, SageMaker's /invocations).
 
 ``build_app`` wires routes to an ``OpenAIServing``; ``run_server`` builds the ``AsyncLLM`` (or, with
 ``--data-parallel-size``, a ``DataParallelAsyncLLM`` of replicas) from the command line's settings and
@@ -6,10 +7,10 @@ runs the app under uvicorn until it is interrupted or its engine (any replica) d
 
 Every refusal is OpenAI's error object with its status and the field at fault (``param``): 400 for a
 body that is not JSON (or not UTF-8, or nested past 200 levels), a missing or wrong field, a value
-out of its range, and what the engine refuses; 401 for a wrong API key (routes under /v1, checked
-before the body is read); 404 for a model this server does not serve or a route it does not have;
-405 for a wrong method; 413 for a body over ``max_request_body_bytes``. None of them reaches the
-engine, and none is a 500: a 500 is the server's own failure.
+out of its range, and what the engine refuses; 401 for a wrong API key (routes under /v1 and
+/invocations, checked before the body is read); 404 for a model this server does not serve or a
+route it does not have; 405 for a wrong method; 413 for a body over ``max_request_body_bytes``. None
+of them reaches the engine, and none is a 500: a 500 is the server's own failure.
 
 When the engine dies (an error in a step, its process killed), the requests it held get a 500 whose
 message says how, ``/health`` answers 503, and the server exits with status 1 within a second, as
@@ -23,6 +24,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import uvicorn
@@ -31,6 +33,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import micro_vllm
 
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from micro_vllm.engine.data_parallel import DataParallelAsyncLLM, build_async_llm
@@ -49,6 +54,9 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 # How often the server checks that its engine still runs (vLLM's watchdog checks every 5 s).
 WATCHDOG_INTERVAL_S = 1.0
 
+# The routes whose requests /load counts.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+
 
 def build_app(engine: AsyncLLM | DataParallelAsyncLLM, served_model_names: list[str], model_path: str,
               stat_logger: PrometheusStatLogger, api_key: str | None = None,
@@ -63,6 +71,8 @@ def build_app(engine: AsyncLLM | DataParallelAsyncLLM, served_model_names: list[
         engine.shutdown()
 
     app = FastAPI(title="micro-vLLM", lifespan=lifespan)
+    load = ServerLoad()
+    app.add_middleware(_LoadTracker, load=load)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -109,6 +119,14 @@ def build_app(engine: AsyncLLM | DataParallelAsyncLLM, served_model_names: list[
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/load")
+    async def server_load():
+        return {"server_load": load.count}
+
+    @app.get("/version")
+    async def version():
+        return {"version": micro_vllm.__version__}
+
     @v1.get("/models")
     async def models():
         return serving.show_available_models()
@@ -129,8 +147,42 @@ def build_app(engine: AsyncLLM | DataParallelAsyncLLM, served_model_names: list[
     async def detokenize(raw_request: Request):
         return _json(await serving.detokenize(await body(raw_request)))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return _json(serving.tokenizer_info())
+
+    # SageMaker's route, outside /v1 as in vLLM, but behind the API key like the routes it stands for.
+    @app.post("/invocations", dependencies=[Depends(check_api_key)])
+    async def invocations(raw_request: Request):
+        return await _until_disconnected(serving.create_invocation(await body(raw_request)), raw_request)
+
     app.include_router(v1)
     return app
+
+
+@dataclass
+class ServerLoad:
+    """vLLM's /load figure: the generation requests the server holds, from their arrival to the end of
+    their response (its last chunk sent, or its client gone)."""
+
+    count: int = 0
+
+
+class _LoadTracker:
+    """Counts the requests to the generation routes in a ``ServerLoad``: a plain ASGI middleware, through
+    which a stream's chunks pass untouched."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app, self.load = app, load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        self.load.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.count -= 1
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -1,10 +1,11 @@
-"""OpenAI's request and response bodies (with vLLM's extra request fields), OpenAI's error object, and
-the one mapping from a request to ``SamplingParams``.
+"""OpenAI's request and response bodies (with vLLM's extra request and response fields), OpenAI's error
+object, and the one mapping from a request to ``SamplingParams``.
 
 Pydantic checks the shape of a body (types, required fields); the values are checked once, by
 ``to_sampling_params`` where the rule is the server's (vLLM's rules and messages: ``max_tokens`` against
 the room the prompt leaves, ``stream_options`` only with ``stream``, ``top_logprobs`` only with
-``logprobs``) and by ``SamplingParams`` otherwise, whose errors name the field and the value.
+``logprobs``, ``prompt_logprobs`` not with ``stream``) and by ``SamplingParams`` otherwise, whose errors
+name the field and the value.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def error_response(message: str, status: HTTPStatus, param: str | None = None) -
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
@@ -104,16 +106,30 @@ class _SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, in the response
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids, in the response
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def include_continuous_usage(self) -> bool:
+        """vLLM's rule: the usage in every chunk only when the usage is asked for at all."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     max_tokens: int | None = 16  # OpenAI's default; null: what max_model_len leaves, as in vLLM
     logprobs: int | None = None  # how many top logprobs per token, beside the sampled one's
+    echo: bool = False  # the prompt before the completion (in its text, token ids and logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens=0``: the prompt alone, as lm-evaluation-harness asks for scores."""
+        return self.echo and self.max_tokens == 0
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -207,6 +223,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, num_p
                           param="messages" if chat else "prompt")
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    if request.stream and request.prompt_logprobs is not None and request.prompt_logprobs != 0:
+        raise OpenAIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
     structured_outputs = _structured_outputs(request)
     return SamplingParams(
         n=request.n,
@@ -224,6 +242,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, num_p
         bad_words=request.bad_words,
         min_tokens=request.min_tokens or 0,
         logprobs=_chat_logprobs(request) if chat else request.logprobs,
+        prompt_logprobs=_prompt_logprobs(request),
         stop=request.stop,
         stop_token_ids=request.stop_token_ids or (),
         ignore_eos=request.ignore_eos,
@@ -256,6 +275,8 @@ def _max_tokens(request: CompletionRequest | ChatCompletionRequest, num_prompt_t
     room = max_model_len - num_prompt_tokens
     if value is None:
         return room
+    if not isinstance(request, ChatCompletionRequest) and request.echo_only:
+        return 1  # the engine samples at least one token; the response leaves it out
     if value < 1:
         raise OpenAIError(f"{name} must be at least 1, got {value}.", param=name)
     if value > room:
@@ -263,6 +284,14 @@ def _max_tokens(request: CompletionRequest | ChatCompletionRequest, num_prompt_t
                           f"context length is {max_model_len} tokens and your request has {num_prompt_tokens} "
                           f"input tokens ({value} > {max_model_len} - {num_prompt_tokens}).", param=name)
     return value
+
+
+def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """``prompt_logprobs``; for a completion with ``echo`` and none asked, ``logprobs`` (vLLM's rule:
+    the echoed prompt's tokens get the logprobs its completion's do)."""
+    if request.prompt_logprobs is None and isinstance(request, CompletionRequest) and request.echo:
+        return request.logprobs
+    return request.prompt_logprobs
 
 
 def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -340,12 +369,28 @@ class CompletionLogprobs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One token's entry in vLLM's ``prompt_logprobs``: its logprob, rank in the vocabulary and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, its own and the top tokens' entries by token id; the
+# first token's is null (nothing predicts it).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the choice's (in a stream, the chunk's)
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (in a stream, the first chunk's)
 
 
 class CompletionResponse(_Response):
@@ -374,12 +419,15 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -388,12 +436,14 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the chunk's
 
 
 class ChatCompletionStreamResponse(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in each choice's first chunk
 
 
 class ModelCard(OpenAIBaseModel):
@@ -411,17 +461,21 @@ class ModelList(OpenAIBaseModel):
 
 
 class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's two forms: a ``prompt``, or chat ``messages`` rendered by the chat template."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: the tokenizer's own token strings
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import logging
 import re
 import uuid
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TypeVar
 
+import pydantic_core
 import xgrammar  # noqa: F401 - loaded with the server: a constraint's check would load it on a request's thread
 from pydantic import BaseModel, ValidationError
 
@@ -54,6 +57,8 @@ from micro_vllm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     OpenAIError,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
@@ -69,6 +74,7 @@ from micro_vllm.entrypoints.openai.tool_calling import (
     tool_parser_for,
 )
 from micro_vllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from micro_vllm.logprobs import Logprob
 from micro_vllm.sampling.params import SamplingParams
 from micro_vllm.validation import short_repr
 
@@ -85,12 +91,17 @@ LOGPROB_FLOOR = -9999.0
 # At most this many of pydantic's complaints about a body go into the message.
 _MAX_PROBLEMS = 5
 
+# The most prompts one completion request may list (vLLM's VLLM_MAX_COMPLETION_PROMPTS default): each
+# is an engine request, and a body of a few megabytes could otherwise list millions.
+MAX_COMPLETION_PROMPTS = 1024
+
 _T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A generation request ready for the engine: its body, prompt (None when given as ids) and params."""
+    """A generation request ready for the engine: its body, prompt (None when given as ids, unless
+    ``echo`` shows it) and params. A completion with a list of prompts makes one for each."""
 
     request: CompletionRequest | ChatCompletionRequest
     text: str | None
@@ -131,7 +142,7 @@ class OpenAIServing:
         return await self._serve(await self._in_thread(self._prepare_completion, body), "cmpl")
 
     async def create_chat_completion(self, body: bytes) -> str | AsyncIterator[str]:
-        return await self._serve(await self._in_thread(self._prepare_chat, body), "chatcmpl")
+        return await self._serve([await self._in_thread(self._prepare_chat, body)], "chatcmpl")
 
     async def tokenize(self, body: bytes) -> str:
         return await self._in_thread(self._tokenize, body)
@@ -144,11 +155,16 @@ class OpenAIServing:
     async def _in_thread(self, work: Callable[..., _T], *args) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
 
-    def _prepare_completion(self, body: bytes) -> PreparedRequest:
+    def _prepare_completion(self, body: bytes) -> list[PreparedRequest]:
         request = _parse(CompletionRequest, body)
         self._check_model(request.model)
-        text, token_ids = self._completion_prompt(request.prompt)
-        return PreparedRequest(request, text, token_ids, self._sampling_params(request, token_ids))
+        prepared = []
+        for text, token_ids in self._completion_prompts(request.prompt):
+            if text is None and request.echo:
+                self._check_vocabulary("prompt", token_ids)
+                text = self._decode(token_ids)  # echo shows the prompt's text, as vLLM does
+            prepared.append(PreparedRequest(request, text, token_ids, self._sampling_params(request, token_ids)))
+        return prepared
 
     def _prepare_chat(self, body: bytes) -> PreparedRequest:
         request = _parse(ChatCompletionRequest, body)
@@ -164,13 +180,31 @@ class OpenAIServing:
         self._check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("give either 'prompt' or 'messages'", param="prompt")
-        if request.messages is not None:
-            tokens = self._encode(self._render_chat(request.messages, request.add_generation_prompt),
-                                  add_special_tokens=False)
-        else:
-            tokens = self._encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        return TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len,
-                                tokens=tokens).model_dump_json()
+        chat = request.messages is not None
+        # vLLM's defaults: a chat template holds the special tokens already, a prompt gets them added.
+        add_special_tokens = not chat if request.add_special_tokens is None else request.add_special_tokens
+        text = self._render_chat(request.messages, request.add_generation_prompt) if chat else request.prompt
+        tokens = self._encode(text, add_special_tokens=add_special_tokens)
+        token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens,
+                                token_strs=token_strs).model_dump_json()
+
+    def tokenizer_info(self) -> str:
+        """vLLM's /tokenizer_info: the tokenizer's settings (tokenizer_config.json's, without the paths
+        of its files), its class and chat template."""
+        tokenizer = self._tokenizer()
+        info = {key: _json_setting(value) for key, value in tokenizer.init_kwargs.items() if not key.endswith("_file")}
+        info["tokenizer_class"] = type(tokenizer).__name__
+        if tokenizer.chat_template:
+            info["chat_template"] = tokenizer.chat_template
+        return json.dumps(info, default=str)
+
+    async def create_invocation(self, body: bytes) -> str | AsyncIterator[str]:
+        """SageMaker's /invocations (vLLM's): a body with ``messages`` is a chat completion, any other a
+        completion (whose refusal names the field a completion lacks)."""
+        if await self._in_thread(_has_messages, body):
+            return await self.create_chat_completion(body)
+        return await self.create_completion(body)
 
     def _detokenize(self, body: bytes) -> str:
         request = _parse(DetokenizeRequest, body)
@@ -217,17 +251,19 @@ class OpenAIServing:
         [text] = backend.decode_batch([token_ids], skip_special_tokens=False)
         return text
 
-    def _completion_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise OpenAIError(f"prompt holds {len(prompt)} prompts; this server takes one per request",
-                                  param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise OpenAIError("prompt is empty; give at least one character or token id", param="prompt")
-        if isinstance(prompt, str):
-            return prompt, self._encode(prompt, add_special_tokens=True)
-        return None, prompt
+    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """Each prompt of the request (one, or a list of texts or of token id lists): its text (None
+        when given as ids) and its ids."""
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(prompts) > MAX_COMPLETION_PROMPTS:
+            raise OpenAIError(f"prompt list length {len(prompts)} exceeds the maximum allowed count of "
+                              f"{MAX_COMPLETION_PROMPTS}", param="prompt")
+        result = []
+        for one in prompts:
+            if not one:
+                raise OpenAIError("prompt is empty; give at least one character or token id", param="prompt")
+            result.append((one, self._encode(one, add_special_tokens=True)) if isinstance(one, str) else (None, one))
+        return result
 
     def _render_chat(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
                      tools: list[dict] | None = None) -> str:
@@ -255,29 +291,46 @@ class OpenAIServing:
 
     # -- the engine ----------------------------------------------------------------------------
 
-    async def _serve(self, prepared: PreparedRequest, id_prefix: str) -> str | AsyncIterator[str]:
-        """Run a completion or chat request: its stream of events, or its whole response's JSON."""
-        request, num_prompt_tokens = prepared.request, len(prepared.token_ids)
+    async def _serve(self, prepared: list[PreparedRequest], id_prefix: str) -> str | AsyncIterator[str]:
+        """Run a completion or chat request, an engine request for each of its prompts: its stream of
+        events, or its whole response's JSON."""
+        request = prepared[0].request
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        # vLLM's ids: each prompt of a list is the response's id and the prompt's position.
+        engine_ids = [request_id] if len(prepared) == 1 else [f"{request_id}-{i}" for i in range(len(prepared))]
         if self.enable_log_requests:
-            self._log_request(request_id, prepared)
-        outputs = await self._generate(prepared, request_id)
+            for engine_id, one in zip(engine_ids, prepared):
+                self._log_request(engine_id, one)
+        outputs = await self._generate(prepared, engine_ids)
         model = self._model_name(request.model)
         if request.stream:
-            return self._stream(request, outputs, request_id, model, num_prompt_tokens)
-        choices = await _gather(outputs)
-        return await self._in_thread(self._response_json, request, request_id, model, num_prompt_tokens, choices)
+            return self._stream(request, prepared, outputs, request_id, model)
+        finals = await asyncio.gather(*map(_gather, outputs))
+        return await self._in_thread(self._response_json, request, prepared, request_id, model, finals)
 
-    async def _generate(self, prepared: PreparedRequest, request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """Start the request; return its outputs once the engine has accepted it and given the first.
-        An EngineDeadError passes through (the app answers it with a 500)."""
+    async def _generate(self, prepared: list[PreparedRequest],
+                        engine_ids: list[str]) -> list[AsyncGenerator[RequestOutput, None]]:
+        """Start every prompt's request at once; return their outputs once the engine has accepted them
+        all and given each one's first. If it refuses one, the others are aborted and the refusal raised;
+        an EngineDeadError passes through (the app answers it with a 500)."""
+        started = await asyncio.gather(*map(self._start, prepared, engine_ids), return_exceptions=True)
+        refusals = [result for result in started if isinstance(result, BaseException)]
+        if refusals:
+            for result in started:
+                if not isinstance(result, BaseException):
+                    await result[1].aclose()
+            raise refusals[0]
+        return [_prepend(first, rest) for first, rest in started]
+
+    async def _start(self, prepared: PreparedRequest,
+                     engine_id: str) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
+        """One prompt's request: its first output, and the rest to come."""
         prompt = {"prompt": prepared.text, "prompt_token_ids": prepared.token_ids}
         try:
-            outputs = self.engine.generate(prompt, prepared.params, request_id)
-            first = await anext(outputs)
+            outputs = self.engine.generate(prompt, prepared.params, engine_id)
+            return await anext(outputs), outputs
         except (ValueError, TypeError) as error:
             raise _refusal(prepared.request, error) from None
-        return _prepend(first, outputs)
 
     def _log_request(self, request_id: str, prepared: PreparedRequest) -> None:
         cut = slice(self.max_log_len)
@@ -287,70 +340,87 @@ class OpenAIServing:
 
     # -- responses out -------------------------------------------------------------------------
 
-    def _response_json(self, request, request_id: str, model: str, num_prompt_tokens: int,
-                       choices: list[CompletionOutput]) -> str:
-        usage = _usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices))
+    def _response_json(self, request, prepared: list[PreparedRequest], request_id: str, model: str,
+                       finals: list[RequestOutput]) -> str:
+        """The whole response: each prompt's choices in turn (index ``prompt_index * n + i``, as vLLM)."""
+        num_prompt_tokens = sum(len(one.token_ids) for one in prepared)
+        usage = _usage(num_prompt_tokens, sum(_num_completion_tokens(request, c) for f in finals for c in f.outputs))
         if isinstance(request, ChatCompletionRequest):
-            response = ChatCompletionResponse(id=request_id, model=model, usage=usage, choices=[
-                ChatCompletionResponseChoice(
-                    index=c.index, **self._chat_message(request, c), stop_reason=c.stop_reason,
-                    logprobs=self._chat_logprobs(request, c.token_ids, c.logprobs),
-                ) for c in choices])
+            [final] = finals
+            response = ChatCompletionResponse(
+                id=request_id, model=model, usage=usage, prompt_logprobs=_json_prompt_logprobs(final.prompt_logprobs),
+                prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None, choices=[
+                    ChatCompletionResponseChoice(
+                        index=c.index, **self._chat_message(request, c), stop_reason=c.stop_reason,
+                        logprobs=self._chat_logprobs(request, c.token_ids, c.logprobs),
+                        token_ids=c.token_ids if request.return_token_ids else None,
+                    ) for c in final.outputs])
         else:
             response = CompletionResponse(id=request_id, model=model, usage=usage, choices=[
-                CompletionResponseChoice(
-                    index=c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    logprobs=self._completion_logprobs(request, c.token_ids, c.logprobs),
-                ) for c in choices])
+                self._completion_choice(request, one, c, prompt_index * request.n + c.index, final.prompt_logprobs,
+                                        first=True)
+                for prompt_index, (one, final) in enumerate(zip(prepared, finals)) for c in final.outputs])
         return response.model_dump_json()
 
-    async def _stream(self, request, outputs, request_id: str, model: str,
-                      num_prompt_tokens: int) -> AsyncIterator[str]:
-        """Server-sent events: a chunk for each choice's new text (in chat, a first chunk naming the
-        role), the usage if asked, then [DONE]. An engine that dies mid-stream ends it with an error event
-        (the status was sent already)."""
+    async def _stream(self, request, prepared: list[PreparedRequest], outputs: list[AsyncGenerator],
+                      request_id: str, model: str) -> AsyncIterator[str]:
+        """Server-sent events: a chunk for each choice's new tokens (in chat, a first chunk naming the
+        role; with ``echo``, the prompt first), with ``continuous_usage_stats`` the choice's usage so far,
+        then the whole usage if asked, then [DONE]. An engine that dies mid-stream ends it with an error
+        event (the status was sent already)."""
         chat = isinstance(request, ChatCompletionRequest)
         response_cls = ChatCompletionStreamResponse if chat else CompletionResponse
+        continuous_usage = request.include_continuous_usage
         num_tokens: dict[int, int] = {}  # each choice's tokens so far, by index
-        chat_deltas: dict[int, _ChatDeltas] = {}
+        text_lengths: dict[int, int] = {}  # each choice's text so far (the logprobs' text_offset), by index
+        prompt_logprobs: dict[int, list] = {}  # each prompt's, as the engine gives them with its first tokens
+        chat_deltas: dict[int, _ChatDeltas] = {}  # each chat choice's text, or its tool parser, by index
         try:
-            async with contextlib.aclosing(outputs):
-                async for output in outputs:
+            async with contextlib.aclosing(_merge(outputs)) as merged:
+                async for prompt_index, output in merged:
+                    one = prepared[prompt_index]
+                    if output.prompt_logprobs:
+                        prompt_logprobs.setdefault(prompt_index, output.prompt_logprobs)
                     for completion in output.outputs:
-                        if chat and completion.index not in num_tokens:
-                            chat_deltas[completion.index] = _ChatDeltas(tool_parser_for(request, self.tool_parser))
-                            role = ChatCompletionStreamChoice(index=completion.index,
-                                                              delta=DeltaMessage(role="assistant", content=""))
-                            yield _sse(response_cls(id=request_id, model=model, choices=[role]))
-                        num_tokens[completion.index] = num_tokens.get(completion.index, 0) + len(completion.token_ids)
-                        if completion.text or completion.finish_reason:
-                            choice = self._stream_choice(request, completion, chat_deltas.get(completion.index))
-                            if choice is not None:
-                                yield _sse(response_cls(id=request_id, model=model, choices=[choice]))
+                        index = prompt_index * request.n + completion.index
+                        first = index not in num_tokens
+                        num_tokens[index] = num_tokens.get(index, 0) + _num_completion_tokens(request, completion)
+                        if first and chat:
+                            chat_deltas[index] = _ChatDeltas(tool_parser_for(request, self.tool_parser))
+                            yield _sse(_chat_role_chunk(request, one, index, request_id, model))
+                        if not (first or completion.token_ids or completion.finish_reason):
+                            continue
+                        if chat:
+                            choice = self._chat_stream_choice(request, completion, chat_deltas[index])
+                            if choice is None:  # a tool parser holds all of it back for now
+                                continue
+                        else:
+                            choice = self._completion_choice(request, one, completion, index,
+                                                             prompt_logprobs.get(prompt_index), first,
+                                                             text_lengths.get(index, 0))
+                            text_lengths[index] = text_lengths.get(index, 0) + len(choice.text)
+                        usage = _usage(len(one.token_ids), num_tokens[index]) if continuous_usage else None
+                        yield _sse(response_cls(id=request_id, model=model, choices=[choice], usage=usage))
         except EngineDeadError as error:
             yield _sse(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR))
         else:
             if request.include_usage:
-                usage = _usage(num_prompt_tokens, sum(num_tokens.values()))
+                usage = _usage(sum(len(one.token_ids) for one in prepared), sum(num_tokens.values()))
                 yield _sse(response_cls(id=request_id, model=model, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
-    def _stream_choice(self, request, completion: CompletionOutput, chat_deltas: _ChatDeltas | None = None):
-        """The chunk of a choice's new output (a chat choice's through its ``chat_deltas``; None: its
-        text as it is), or None where a tool parser holds all of it back."""
-        if isinstance(request, ChatCompletionRequest):
-            delta, finish_reason = (chat_deltas or _ChatDeltas(None)).delta(completion)
-            logprobs = self._chat_logprobs(request, completion.token_ids, completion.logprobs)
-            if delta is None and finish_reason is None and logprobs is None:
-                return None
-            return ChatCompletionStreamChoice(
-                index=completion.index, delta=delta or DeltaMessage(), finish_reason=finish_reason,
-                stop_reason=completion.stop_reason, logprobs=logprobs,
-            )
-        return CompletionResponseChoice(
-            index=completion.index, text=completion.text, finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            logprobs=self._completion_logprobs(request, completion.token_ids, completion.logprobs),
+    def _chat_stream_choice(self, request: ChatCompletionRequest, completion: CompletionOutput,
+                            chat_deltas: _ChatDeltas) -> ChatCompletionStreamChoice | None:
+        """A chat choice's chunk of new output, read through its ``chat_deltas`` (its text as it is, or
+        what its tool parser finds); None where the tool parser holds all of it back."""
+        delta, finish_reason = chat_deltas.delta(completion)
+        logprobs = self._chat_logprobs(request, completion.token_ids, completion.logprobs)
+        token_ids = completion.token_ids if request.return_token_ids else None
+        if delta is None and finish_reason is None and logprobs is None and not token_ids:
+            return None
+        return ChatCompletionStreamChoice(
+            index=completion.index, delta=delta or DeltaMessage(), finish_reason=finish_reason,
+            stop_reason=completion.stop_reason, logprobs=logprobs, token_ids=token_ids,
         )
 
     def _chat_message(self, request: ChatCompletionRequest, completion: CompletionOutput) -> dict:
@@ -363,25 +433,62 @@ class OpenAIServing:
         return {"message": ChatMessage(role="assistant", content=extracted.content, tool_calls=extracted.tool_calls),
                 "finish_reason": tool_finish_reason(completion.finish_reason, extracted.tools_called)}
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+    def _completion_choice(self, request: CompletionRequest, prepared: PreparedRequest, completion: CompletionOutput,
+                           index: int, prompt_logprobs: list | None, first: bool,
+                           text_offset: int = 0) -> CompletionResponseChoice:
+        """A completion's choice, or a stream's chunk of it (``first``: its first chunk, where ``echo``
+        puts the prompt: its text, its tokens' logprobs, and with ``return_token_ids`` its ids)."""
+        echo = first and request.echo
+        shown = not request.echo_only  # else the prompt alone: the one token sampled is left out
+        text = (prepared.text if echo else "") + (completion.text if shown else "")
+        logprobs = None
+        if request.logprobs is not None:
+            # A position without logprobs is nulls rather than a shift of every later one.
+            token_ids, positions = [], []
+            if echo:
+                token_ids += prepared.token_ids
+                positions += prompt_logprobs or [None] * len(prepared.token_ids)
+            if shown:
+                token_ids += completion.token_ids
+                positions += completion.logprobs or [None] * len(completion.token_ids)
+            logprobs = self._completion_logprobs(request, token_ids, positions, text_offset)
+        return CompletionResponseChoice(
+            index=index, text=text, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            logprobs=logprobs,
+            token_ids=(completion.token_ids if shown else []) if request.return_token_ids else None,
+            prompt_logprobs=_json_prompt_logprobs(prompt_logprobs) if not request.stream else None,
+            prompt_token_ids=prepared.token_ids if request.return_token_ids and first else None,
+        )
 
-    def _completion_logprobs(self, request: CompletionRequest, token_ids: list[int],
-                             logprobs: list[dict] | None) -> CompletionLogprobs | None:
-        """OpenAI's legacy shape from the engine's logprobs (vLLM's: per position, token id -> Logprob
-        with ``logprob`` and ``rank``: the sampled token's, and the ``request.logprobs`` best)."""
-        if not logprobs:
-            return None
+    def _token_text(self, token_id: int, logprob: Logprob | None, as_id: bool) -> str:
+        """A token as logprobs name it: "token_id:N" (``return_tokens_as_token_ids``), else its text."""
+        if as_id or self.tokenizer is None:
+            return f"token_id:{token_id}" if as_id else str(token_id)
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, request: CompletionRequest, token_ids: list[int], positions: list[dict | None],
+                             text_offset: int) -> CompletionLogprobs:
+        """OpenAI's legacy shape from the engine's logprobs (vLLM's: per position, token id -> Logprob,
+        the position's own token first, then the top ones): each token's logprob and the position's first
+        ``request.logprobs + 1`` entries, as vLLM gives them (``logprobs=0``: the token's own). A position
+        without logprobs (the prompt's first token, when echoed) has nulls."""
         result = CompletionLogprobs()
-        offset = 0
-        for token_id, position in zip(token_ids, logprobs):
-            token = self._token_text(token_id)
+        count = None if request.logprobs == -1 else request.logprobs + 1
+        as_id = request.return_tokens_as_token_ids
+        for token_id, position in zip(token_ids, positions):
+            token = self._token_text(token_id, position and position.get(token_id), as_id)
             result.tokens.append(token)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+            if position is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
             result.token_logprobs.append(_json_logprob(position[token_id].logprob))
-            result.top_logprobs.append({self._token_text(t): _json_logprob(lp.logprob) for t, lp in position.items()
-                                        if lp.rank <= request.logprobs})
-            result.text_offset.append(offset)
-            offset += len(token)
+            result.top_logprobs.append({self._token_text(t, lp, as_id): _json_logprob(lp.logprob)
+                                        for t, lp in itertools.islice(position.items(), count)})
         return result
 
     def _chat_logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
@@ -390,14 +497,14 @@ class OpenAIServing:
         if not logprobs:
             return None
         top_n = request.top_logprobs or 0
-        def entry(token_id: int, logprob: float) -> ChatLogprob:
-            token = self._token_text(token_id)
-            return ChatLogprob(token=token, logprob=_json_logprob(logprob), bytes=list(token.encode()))
+        def entry(token_id: int, logprob: Logprob) -> ChatLogprob:
+            token = self._token_text(token_id, logprob, request.return_tokens_as_token_ids)
+            return ChatLogprob(token=token, logprob=_json_logprob(logprob.logprob), bytes=list(token.encode()))
 
         content = []
         for token_id, position in zip(token_ids, logprobs):
-            sampled = entry(token_id, position[token_id].logprob)
-            top = [entry(t, lp.logprob) for t, lp in position.items() if lp.rank <= top_n]
+            sampled = entry(token_id, position[token_id])
+            top = [entry(t, lp) for t, lp in position.items() if lp.rank <= top_n]
             content.append(ChatLogprobContent(**sampled.model_dump(), top_logprobs=top))
         return ChatChoiceLogprobs(content=content)
 
@@ -432,6 +539,24 @@ def _parse(model: type[BaseModel], body: bytes):
             message += f"; and {len(problems) - _MAX_PROBLEMS} more"
         param = str(problems[0]["loc"][0]) if problems and problems[0]["loc"] else None
         raise OpenAIError(message, param=param) from None
+
+
+def _has_messages(body: bytes) -> bool:
+    """Whether the body is a JSON object with a ``messages`` field (a body that is not JSON is not)."""
+    try:
+        parsed = pydantic_core.from_json(body)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and "messages" in parsed
+
+
+def _json_setting(value):
+    """A tokenizer setting as JSON: a special token (transformers' AddedToken) as its text."""
+    if isinstance(value, dict):
+        return {key: _json_setting(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_setting(item) for item in value]
+    return getattr(value, "content", value)
 
 
 def _refusal(request, error: Exception) -> OpenAIError:
@@ -486,16 +611,66 @@ async def _prepend(first: RequestOutput, rest: AsyncGenerator[RequestOutput, Non
                 yield output
 
 
-async def _gather(outputs) -> list[CompletionOutput]:
-    """The request's sequences, whole, by index: its DELTA outputs folded into one."""
+async def _gather(outputs) -> RequestOutput:
+    """The request's whole output, its sequences by index: its DELTA outputs folded into one. The
+    prompt logprobs are the first given: with ``n > 1`` each sequence's request gives them."""
     whole = None
     async with contextlib.aclosing(outputs):
         async for output in outputs:
             if whole is None:
                 whole = output
-            else:
-                whole.add(output)
-    return sorted(whole.outputs, key=lambda completion: completion.index)
+                continue
+            prompt_logprobs = whole.prompt_logprobs
+            whole.add(output)
+            whole.prompt_logprobs = prompt_logprobs or whole.prompt_logprobs
+    whole.outputs.sort(key=lambda completion: completion.index)
+    return whole
+
+
+async def _merge(streams: list[AsyncGenerator[_T, None]]) -> AsyncGenerator[tuple[int, _T], None]:
+    """The streams' items as they come, each with its stream's position; closing this closes them all."""
+    pending = {asyncio.ensure_future(anext(stream)): position for position, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                position = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[position]))] = position
+                yield position, item
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # a stream is closed once it has stopped
+        for stream in streams:
+            await stream.aclose()
+
+
+def _chat_role_chunk(request: ChatCompletionRequest, prepared: PreparedRequest, index: int, request_id: str,
+                     model: str) -> ChatCompletionStreamResponse:
+    """A chat choice's first chunk: the role, and with ``return_token_ids`` the prompt's ids."""
+    role = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+    return ChatCompletionStreamResponse(
+        id=request_id, model=model, choices=[role],
+        prompt_token_ids=prepared.token_ids if request.return_token_ids else None,
+        usage=_usage(len(prepared.token_ids), 0) if request.include_continuous_usage else None)
+
+
+def _num_completion_tokens(request, completion: CompletionOutput) -> int:
+    """The tokens a choice shows: none for ``echo`` with ``max_tokens=0``."""
+    return 0 if isinstance(request, CompletionRequest) and request.echo_only else len(completion.token_ids)
+
+
+def _json_prompt_logprobs(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` field from the engine's, logprobs JSON cannot carry at the floor."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else {
+        token_id: PromptLogprob(logprob=_json_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+        for token_id, lp in position.items()} for position in prompt_logprobs]
 
 
 def _sse(response) -> str:
