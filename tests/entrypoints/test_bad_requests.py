@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
 from micro_vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from micro_vllm.entrypoints.openai.serving import LOGPROB_FLOOR, OpenAIServing, PreparedRequest
+from micro_vllm.entrypoints.openai.serving import LOGPROB_FLOOR, OpenAIServing, PreparedRequest, _ChatDeltas
 from micro_vllm.logprobs import Logprob
 from helpers.server import make_tiny_chat_model, metric, serve_process
 from helpers.tiny_models import VOCAB_SIZE
@@ -223,7 +223,7 @@ def test_minus_infinity_and_nan_logprobs_become_the_floor():
             output = RequestOutput("id", "a", [0, 1], [None, position], [sequence], True, 0)
             whole = json.loads(serving._response_json(request, [prepared], "id", MODEL, [output]))
             if request is chat:
-                streamed = serving._chat_stream_choice(request, sequence)
+                streamed = serving._chat_stream_choice(request, sequence, _ChatDeltas(None))
                 prompt_logprobs = whole["prompt_logprobs"]
             else:
                 streamed = serving._completion_choice(request, prepared, sequence, 0, [None, position], first=True)
