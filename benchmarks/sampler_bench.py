@@ -35,7 +35,7 @@ CASES = {
 
 
 def sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                       max_top_k: int | None = None) -> torch.Tensor:
+                       *unused) -> torch.Tensor:
     """The masking the Sampler had before: sort each whole row, mask by rank and cumulative mass,
     scatter back."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -67,10 +67,10 @@ def make_metadata(sampler: Sampler, rows: int, device: torch.device, top_k: int 
         all_greedy=False,
         all_random=True,
         max_num_logprobs=logprobs,
-        max_top_k=max_top_k(top_k_rows, top_p_rows),
+        max_top_k=max_top_k(top_k_rows),
+        top_p_without_top_k=top_p < 1 and not top_k,
     )
-    sampler.add_row_seeds(metadata, {})
-    return metadata
+    return sampler.add_row_seeds(metadata, {})  # the Triton route draws with the seeds it adds
 
 
 def time_ms(call, device: torch.device, iters: int) -> float:

@@ -400,7 +400,7 @@ def test_sampler_bench_times_every_case_on_cpu(capsys):
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0))
     top_k, top_p = torch.tensor([0, 5, 50, 50], dtype=torch.int32), torch.tensor([1.0, 0.9, 0.9, 0.3])
     before = sampler_bench.sorted_top_k_top_p(logits, top_k, top_p)
-    after = sampler_module.apply_top_k_top_p(logits, top_k, top_p)
+    after = sampler_module.apply_top_k_top_p(logits, top_k, top_p, 64, sampler_module.sorted_top_p_threshold)
     assert torch.equal(before.isfinite(), after.isfinite())
 
 

@@ -32,7 +32,7 @@ from micro_vllm.attention.backends import triton_attn  # noqa: E402
 from micro_vllm.attention.backends.abstract import CommonAttentionMetadata  # noqa: E402
 from micro_vllm.attention.spec import AttentionSpec  # noqa: E402
 from micro_vllm.layers import triton_ops  # noqa: E402
-from micro_vllm.sampling import triton_sampler  # noqa: E402
+from micro_vllm.sampling import triton_sampler, triton_top_p  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 MAX_SHARED_MEMORY = 232_448  # bytes a block may use on sm_90 (227 KiB)
@@ -168,6 +168,7 @@ def main() -> int:
     attention_launches(torch.bfloat16, 2, None, 4, kv_cache_dtype=torch.float8_e4m3fn)  # kv_cache_dtype="fp8"
     for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype
         triton_sampler.sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64))
+    triton_top_p.top_p_threshold(torch.zeros(4, 151936), torch.full((4,), 0.9))  # the scaled logits, fp32
     print(f"{len(compiled)} kernel variants compiled for sm_90")
     return 0
 

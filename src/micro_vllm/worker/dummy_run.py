@@ -56,7 +56,7 @@ def load_eager_kernels(runner: ModelRunner) -> None:
 
     * the lm_head, at every row count a step can sample (1 to ``max_num_seqs``): cuBLAS picks its
       matmul kernel by the row count;
-    * each sampling route: all greedy, top-p alone (whole sorted rows), top-k / top-p over each
+    * each sampling route: all greedy, top-p alone (over whole rows), top-k / top-p over each
       number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), each
       on one row and on two, as a library may pick its kernel by the row count (cuBLAS does);
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
@@ -105,11 +105,11 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     are real."""
     inputs = runner.dummy_inputs(query_lens)
     logits = runner.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
-    # Sampling with top-k / top-p over whole sorted rows (the sort is the sampler's largest buffer) and
-    # without a filter, so the variants of both sampler kernels (model-dtype and fp32 logits) compile
-    # here.
+    # Sampling with top-p over whole rows (the PyTorch route's sort is the sampler's largest buffer) and
+    # without a filter, so the variants of the sampler's kernels (model-dtype and fp32 logits, the
+    # top-p search) compile here.
     sampler = own_sampler(runner, max_num_reqs=len(query_lens))
-    dummy_sample(sampler, logits, top_k=50, top_p=0.9)
+    dummy_sample(sampler, logits, top_p=0.9)
     dummy_sample(sampler, logits)
 
 
@@ -135,7 +135,7 @@ def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False
     else:
         metadata = SamplingMetadata(full(1.0), None if top_k is None else full(top_k, torch.int32),
                                     None if top_p is None else full(top_p), all_greedy=False, all_random=True,
-                                    max_top_k=max_top_k)
+                                    max_top_k=max_top_k, top_p_without_top_k=top_p is not None and top_k is None)
     return sampler(logits, sampler.add_row_seeds(metadata, {})).sampled_token_ids
 
 
