@@ -31,7 +31,8 @@ import torch
 
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, copy_to_host
 from micro_vllm.outputs import LogprobsLists
-from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, apply_logits_processors, apply_min_p
+from micro_vllm.sampling.logits_processors import (LogitsProcessorsMetadata, PenaltiesApplier, apply_logits_processors,
+                                                   apply_min_p, apply_penalties)
 
 
 SEED_POOL_SIZE = 4096  # the engine stream's seeds drawn at once for the Triton sampler
@@ -205,11 +206,13 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.argmax = cpu_argmax if device.type == "cpu" else _device_argmax
         self.whole_row_top_p: WholeRowTopP = sorted_top_p_threshold
+        self.penalize: PenaltiesApplier = apply_penalties
         if use_triton:
-            from micro_vllm.sampling import triton_sampler, triton_top_p
+            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p
 
             self.triton_sample = triton_sampler.sample
             self.whole_row_top_p = triton_top_p.top_p_threshold
+            self.penalize = triton_penalties.apply_penalties
             self.seed_stream = np.random.default_rng(seed)
             self.seed_pool = np.empty(0, np.int64)  # the stream's next seeds, drawn ahead
             self.seed_pool_start = 0
@@ -259,7 +262,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.logits_processors is not None:
-            logits = apply_logits_processors(logits, metadata.logits_processors)
+            logits = apply_logits_processors(logits, metadata.logits_processors, self.penalize)
         if metadata.all_greedy:
             return self.argmax(logits)
         filtered = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
