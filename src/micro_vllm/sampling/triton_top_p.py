@@ -59,19 +59,28 @@ def _max_and_sum(row_ptr, vocab_size, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _above_pivots(row_ptr, vocab_size, row_max, pivots, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    """For each of the ascending ``pivots``: the mass (relative to ``exp(row_max)``) and the number of
-    the row's tokens above it. Blocks with no token above the lowest pivot add nothing."""
+def _above_pivots(row_ptr, vocab_size, row_max, pivots, hi, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """The mass (relative to ``exp(row_max)``) and the number of the row's tokens above each of the
+    ascending ``pivots``, all at most ``hi``, and above ``hi``. The pivots' work is done only for
+    blocks with a token in the bracket ``(pivots[0], hi]``; the tokens above it count once."""
     mass = tl.zeros([SEARCH_BLOCK, PIVOTS], dtype=tl.float32)
     count = tl.zeros([SEARCH_BLOCK, PIVOTS], dtype=tl.int32)
-    lowest = tl.min(pivots, 0)
+    mass_above_hi = tl.zeros([SEARCH_BLOCK], dtype=tl.float32)
+    count_above_hi = tl.zeros([SEARCH_BLOCK], dtype=tl.int32)
+    lo = tl.min(pivots, 0)
     for start in range(0, vocab_size, SEARCH_BLOCK):
         x = _load_row(row_ptr, start + tl.arange(0, SEARCH_BLOCK), vocab_size)
-        if tl.max(x, 0) > lowest:
-            above = x[:, None] > pivots[None, :]
-            mass += tl.where(above, tl.exp(x - row_max)[:, None], 0.0)
+        weight = tl.exp(x - row_max)
+        above_hi = x > hi
+        mass_above_hi += tl.where(above_hi, weight, 0.0)
+        count_above_hi += above_hi.to(tl.int32)
+        if tl.max(tl.where(above_hi, float("-inf"), x), 0) > lo:
+            above = (x[:, None] > pivots[None, :]) & ~above_hi[:, None]
+            mass += tl.where(above, weight[:, None], 0.0)
             count += above.to(tl.int32)
-    return tl.sum(mass, 0), tl.sum(count, 0)
+    mass_above_hi = tl.sum(mass_above_hi, 0)
+    count_above_hi = tl.sum(count_above_hi, 0)
+    return mass_above_hi + tl.sum(mass, 0), count_above_hi + tl.sum(count, 0), mass_above_hi, count_above_hi
 
 
 @triton.jit
@@ -94,12 +103,12 @@ def _top_p_threshold_kernel(threshold_ptr, logits_ptr, logits_stride, top_p_ptr,
             lo = row_max + tl.log((1 - top_p) * total / vocab_size) - 1.0
             hi = row_max
             mass_above_hi = 0.0  # the mass of the tokens above hi, relative to exp(row_max)
-            count_above_hi = 0
             lanes = tl.arange(0, PIVOTS)
             cut = True
             while cut:
                 pivots = lo + (hi - lo) * (lanes.to(tl.float32) / PIVOTS)  # pivots[0] == lo
-                mass, count = _above_pivots(row_ptr, vocab_size, row_max, pivots, SEARCH_BLOCK, PIVOTS)
+                mass, count, mass_hi, count_hi = _above_pivots(row_ptr, vocab_size, row_max, pivots, hi,
+                                                               SEARCH_BLOCK, PIVOTS)
                 # The mass above a pivot falls as the pivot rises: pivots [0, last] have too much
                 # (pivots[0], lo, has by the bracket's bound). The new bracket is (pivots[last], the
                 # next pivot or hi].
@@ -107,9 +116,8 @@ def _top_p_threshold_kernel(threshold_ptr, logits_ptr, logits_stride, top_p_ptr,
                 below_hi = last + 1 < PIVOTS
                 new_lo = _pick(pivots, last, lanes)
                 new_hi = tl.where(below_hi, _pick(pivots, last + 1, lanes), hi)
-                mass_above_hi = tl.where(below_hi, _pick(mass, last + 1, lanes), mass_above_hi)
-                count_above_hi = tl.where(below_hi, _pick(count, last + 1, lanes), count_above_hi)
-                count_inside = _pick(count, last, lanes) - count_above_hi
+                mass_above_hi = tl.where(below_hi, _pick(mass, last + 1, lanes), mass_hi)
+                count_inside = _pick(count, last, lanes) - tl.where(below_hi, _pick(count, last + 1, lanes), count_hi)
                 # Stop when the gathering pass can take the bracket, or when no pivot fell inside it:
                 # then it is one value wide, every token in it equal to hi.
                 cut = (count_inside > CAP) & ((new_lo != lo) | (new_hi != hi))
