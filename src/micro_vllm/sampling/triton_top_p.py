@@ -37,6 +37,7 @@ _SEARCH_BLOCK = 256
 _PIVOTS = 16
 _CAP = 1024  # the most tokens the last pass gathers
 _CHUNK = 8  # gathered tokens compared with all the others at a time
+_MAX_PASSES = 40  # 16**40 = 2**160: more than any bracket of fp32 values needs to be one value wide
 
 
 @triton.jit
@@ -92,7 +93,7 @@ def _pick(values, index, lanes):
 @triton.jit
 def _top_p_threshold_kernel(threshold_ptr, logits_ptr, logits_stride, top_p_ptr, scratch_ptr, vocab_size,
                             BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
-                            CAP: tl.constexpr, CHUNK: tl.constexpr):
+                            CAP: tl.constexpr, CHUNK: tl.constexpr, MAX_PASSES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride
     top_p = tl.load(top_p_ptr + row)
@@ -105,6 +106,7 @@ def _top_p_threshold_kernel(threshold_ptr, logits_ptr, logits_stride, top_p_ptr,
             mass_above_hi = 0.0  # the mass of the tokens above hi, relative to exp(row_max)
             lanes = tl.arange(0, PIVOTS)
             cut = True
+            passes = 0
             while cut:
                 pivots = lo + (hi - lo) * (lanes.to(tl.float32) / PIVOTS)  # pivots[0] == lo
                 mass, count, mass_hi, count_hi = _above_pivots(row_ptr, vocab_size, row_max, pivots, hi,
@@ -119,8 +121,11 @@ def _top_p_threshold_kernel(threshold_ptr, logits_ptr, logits_stride, top_p_ptr,
                 mass_above_hi = tl.where(below_hi, _pick(mass, last + 1, lanes), mass_hi)
                 count_inside = _pick(count, last, lanes) - tl.where(below_hi, _pick(count, last + 1, lanes), count_hi)
                 # Stop when the gathering pass can take the bracket, or when no pivot fell inside it:
-                # then it is one value wide, every token in it equal to hi.
-                cut = (count_inside > CAP) & ((new_lo != lo) | (new_hi != hi))
+                # then it is one value wide, every token in it equal to hi. MAX_PASSES cuts shrink
+                # any bracket of fp32 values to one value; the bound only keeps a row with a NaN
+                # logit from looping.
+                passes += 1
+                cut = (count_inside > CAP) & ((new_lo != lo) | (new_hi != hi)) & (passes < MAX_PASSES)
                 lo = new_lo
                 hi = new_hi
             # Gather the bracket's tokens (the first CAP, when more are all equal to hi).
@@ -160,5 +165,6 @@ def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
             threshold, logits, logits.stride(0), top_p.to(torch.float32), scratch, vocab_size,
             BLOCK=min(_BLOCK, triton.next_power_of_2(vocab_size)),
             SEARCH_BLOCK=min(_SEARCH_BLOCK, triton.next_power_of_2(vocab_size)), PIVOTS=_PIVOTS, CAP=_CAP, CHUNK=_CHUNK,
+            MAX_PASSES=_MAX_PASSES,
         )
     return threshold.unsqueeze(-1)
