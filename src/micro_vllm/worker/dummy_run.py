@@ -105,10 +105,13 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     are real."""
     inputs = runner.dummy_inputs(query_lens)
     logits = runner.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
-    # Sampling with top-p over whole rows (the PyTorch route's sort is the sampler's largest buffer) and
-    # without a filter, so the variants of the sampler's kernels (model-dtype and fp32 logits, the
-    # top-p search) compile here.
+    # Sampling with a top-k of the whole vocabulary (``topk`` of whole rows, as large as a sort: the
+    # sampler's largest buffer), with top-p alone (the PyTorch route's sort, the Triton route's
+    # search) and without a filter, so the variants of the sampler's kernels (model-dtype and fp32
+    # logits, the top-p search) compile here.
     sampler = own_sampler(runner, max_num_reqs=len(query_lens))
+    vocab_size = logits.shape[-1]
+    dummy_sample(sampler, logits, top_k=vocab_size, top_p=0.9, max_top_k=vocab_size)
     dummy_sample(sampler, logits, top_p=0.9)
     dummy_sample(sampler, logits)
 
