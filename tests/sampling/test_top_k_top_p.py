@@ -171,20 +171,21 @@ def test_top_candidates_and_the_top_p_search_keep_what_sorted_rows_keep_at_the_b
     top_p[1::5] = 1.0  # top-k alone
     top_k[2::5] = 0  # top-p alone
     top_p[7::10] = 0.95  # the benchmark's
+    logits[2::10] /= 10  # flat rows: nuclei of many thousand tokens
     bound = max_top_k(top_k.cpu().numpy())
     assert int(top_k.max()) <= bound < 2 * int(top_k.max())
     searched = apply_top_k_top_p(logits, top_k, top_p, bound, triton_top_p.top_p_threshold).isfinite()
     # Whatever the number of candidates (the largest top-k itself, another row's larger one), the same tokens.
     for candidates in (int(top_k.max()), 2000, 151_936):
         sorted_rows = apply_top_k_top_p(logits, top_k, top_p, candidates, sorted_top_p_threshold).isfinite()
-        differ = (searched != sorted_rows).nonzero().tolist()
-        for row, token in differ:  # at most a token or two at the edge of a top-p-alone row
+        # Only at the edge of a top-p-alone row (a token, or a tie of them), where fp32 sums of
+        # 151,936 terms in two orders may round either way.
+        for row, token in (searched != sorted_rows).nonzero().tolist():
             assert top_k[row] == 0
             probs = logits[row].double().softmax(dim=-1)
-            assert abs(probs[logits[row] > logits[row, token]].sum().item() - top_p[row].item()) < 1e-5
-        assert len(differ) <= 5
+            assert abs(probs[logits[row] > logits[row, token]].sum().item() - top_p[row].item()) < 1e-4
     assert searched[::5].all() and (searched[1::5].sum(dim=-1) >= top_k[1::5]).all()
-    assert (searched[2::5].sum(dim=-1) > 1).all()
+    assert (searched[2::5].sum(dim=-1) >= 1).all() and (searched[2::10].sum(dim=-1) > 1000).any()
 
 
 def sampler_inputs(device: str, num_rows: int = 256) -> torch.Tensor:
