@@ -8,6 +8,11 @@
 # workloads (default: shared-prefix long-context); KV_CACHE_DTYPE (auto or fp8, default auto) sets both
 # engines' KV cache dtype. The recipe with fp8 caches on both engines:
 #   WORKLOADS=recipe MAX_MODEL_LEN=4096 KV_CACHE_DTYPE=fp8 bash benchmarks/peer_workloads.sh MODEL_DIR
+# SAMPLING, a JSON list of settings (SamplingParams fields added to every request; default '[{}]',
+# temperature alone), runs each workload under each setting on both engines: vLLM all of them in its
+# one process, micro-vLLM one process per workload and setting. Top-p alone and penalties on the recipe:
+#   WORKLOADS=recipe MAX_MODEL_LEN=4096 SAMPLING='[{"top_p": 0.95}, {"repetition_penalty": 1.1}]' \
+#     bash benchmarks/peer_workloads.sh MODEL_DIR
 # vLLM 0.24 is imported as the environment has it, or from VLLM_DIR (with the wheels it imports in
 # VLLM_SITE, default /tmp/site) when that is set. A bundle packed in two parts is unpacked there
 # first when VLLM_DIR holds no vLLM yet: VLLM_DIR holds the first part (vllm.tar.xz.part00),
@@ -24,6 +29,10 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 WORKLOADS=${WORKLOADS:-shared-prefix long-context}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8512}  # the long-context workload's 8,000 prompt tokens + 512 output tokens
 KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-auto}
+SAMPLING=${SAMPLING:-'[{}]'}
+# One setting a line, for throughput.py; a SAMPLING that is not JSON objects stops here.
+SETTINGS=$(cd benchmarks && python3 -c 'import json, sys, workloads
+print("\n".join(json.dumps(s) for s in workloads.sampling_settings(sys.argv[1])))' "$SAMPLING") || exit 2
 
 VLLM_PYTHONPATH=${PYTHONPATH:-}
 if [ -n "${VLLM_DIR:-}" ]; then
@@ -46,17 +55,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 PYTHONPATH=$VLLM_PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout $(( $(left) < 300 ? $(left) : 300 )) \
   python3 benchmarks/vllm_workloads.py --model "$MODEL" --workload $WORKLOADS --repeat 2 \
-  --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE > "$OUT/vllm_workloads.log" 2>&1
+  --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE --sampling-params "$SAMPLING" \
+  > "$OUT/vllm_workloads.log" 2>&1
 echo "== vllm rc=$? ($(( $(date +%s) - T0 ))s into the run)"
-grep -E "^RESULT|FAILED|Traceback|Error" "$OUT/vllm_workloads.log" | grep -v "_moe_C" | cut -c1-600 | tail -8
+grep -E "^RESULT|FAILED|Traceback|Error" "$OUT/vllm_workloads.log" | grep -v "_moe_C" | cut -c1-600 | tail -24
 
-set -- $WORKLOADS
-while [ $# -gt 0 ]; do  # the time left is shared out evenly among the workloads still to run
-  workload=$1; shift
-  PYTHONPATH="$PWD/src:$PWD/benchmarks" timeout $(( ($(left) - 5) / ($# + 1) )) \
+runs=()
+for workload in $WORKLOADS; do
+  while IFS= read -r setting; do runs+=("$workload $setting"); done <<< "$SETTINGS"
+done
+for i in "${!runs[@]}"; do  # the time left is shared out evenly among the runs still to come
+  workload=${runs[$i]%% *}; setting=${runs[$i]#* }
+  log="$OUT/ours_${workload}_$i.log"
+  PYTHONPATH="$PWD/src:$PWD/benchmarks" timeout $(( ($(left) - 5) / (${#runs[@]} - i) )) \
     python3 benchmarks/throughput.py --model "$MODEL" --workload "$workload" --repeat 2 \
-    --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE > "$OUT/ours_$workload.log" 2>&1
-  echo "== micro-vllm $workload rc=$? ($(( $(date +%s) - T0 ))s into the run)"
-  grep -E "^workload|^micro-vllm|Traceback|Error" "$OUT/ours_$workload.log" | cut -c1-400 | tail -6
+    --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE --sampling-params "$setting" > "$log" 2>&1
+  echo "== micro-vllm $workload $setting rc=$? ($(( $(date +%s) - T0 ))s into the run)"
+  grep -E "^workload|^micro-vllm|Traceback|Error" "$log" | cut -c1-400 | tail -6
 done
 echo "run took $(( $(date +%s) - T0 ))s"

@@ -1,12 +1,14 @@
-"""Time the Sampler alone on one step's logits: the old top-k / top-p (a sort of every row) against
-the engine's, for the throughput recipe's batch.
+"""Time the Sampler alone on one step's logits: the old top-k / top-p (a sort of every row) and
+penalties (PyTorch's) against the engine's, for the throughput recipe's batch.
 
     python benchmarks/sampler_bench.py [--rows 256] [--vocab 151936] [--device cuda] [--iters 50]
 
 Random bf16 logits of ``rows`` x ``vocab`` (Qwen3's vocabulary), temperature 0.6 on every row, and
-four settings: plain temperature, ``top_k=50`` with ``top_p=0.9``, ``top_p=0.9`` alone, and
-``logprobs=5``. "before" runs the same Sampler with its top-k / top-p replaced by the sort-based
-masking it had before (``sorted_top_k_top_p`` below); "after" is the engine's. On CUDA with both
+the settings of ``CASES``: plain temperature, ``top_k=50`` with ``top_p=0.9``, top-p alone,
+``logprobs=5``, and the three penalties (over counts of 500 output tokens and a prompt of 500).
+"before" runs the same Sampler with its top-k / top-p replaced by the sort-based masking it had
+before (``sorted_top_k_top_p`` below) and its penalties by PyTorch's (``apply_penalties``); "after"
+is the engine's. On CUDA with both
 sampler routes (PyTorch, and the Triton sampler the engine uses when its ``sampler`` op is on), timed
 with CUDA events after warm-up; milliseconds per call, the median of ``iters``. ``--device cpu
 --rows 8`` runs it as a smoke test (PyTorch route only; host wall time).
@@ -24,18 +26,21 @@ import numpy as np
 import torch
 
 from micro_vllm.sampling import sampler as sampler_module
+from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, Penalties, apply_penalties
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata, max_top_k
 
 CASES = {
     "temperature": {},
     "top_k=50 top_p=0.9": {"top_k": 50, "top_p": 0.9},
     "top_p=0.9": {"top_p": 0.9},
+    "top_p=0.95": {"top_p": 0.95},
     "logprobs=5": {"logprobs": 5},
+    "penalties": {"penalties": True},  # repetition 1.1, presence 0.2, frequency 0.2
 }
 
 
 def sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                       max_top_k: int | None = None) -> torch.Tensor:
+                       *unused) -> torch.Tensor:
     """The masking the Sampler had before: sort each whole row, mask by rank and cumulative mass,
     scatter back."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -51,13 +56,32 @@ def sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
 
 
 @contextmanager
-def sorting_sampler():
-    with mock.patch.object(sampler_module, "apply_top_k_top_p", sorted_top_k_top_p):
+def old_sampler(sampler: Sampler):
+    """The Sampler as it was: top-k / top-p by sorting whole rows, the penalties in PyTorch."""
+    with mock.patch.object(sampler_module, "apply_top_k_top_p", sorted_top_k_top_p), \
+            mock.patch.object(sampler, "penalize", apply_penalties):
         yield
 
 
-def make_metadata(sampler: Sampler, rows: int, device: torch.device, top_k: int = 0, top_p: float = 1.0,
-                  logprobs: int | None = None) -> SamplingMetadata:
+def penalties_metadata(rows: int, vocab: int, device: torch.device) -> LogitsProcessorsMetadata:
+    """Every row with repetition 1.1, presence 0.2 and frequency 0.2, over the counts of 500 output
+    tokens and the mask of a 500-token prompt, drawn at random."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+    output = torch.randint(0, vocab, (rows, 500), generator=generator, device=device)
+    counts.scatter_add_(1, output, torch.ones_like(output, dtype=torch.int32))
+    prompt_mask = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+    prompt_mask.scatter_(1, torch.randint(0, vocab, (rows, 500), generator=generator, device=device), True)
+
+    def full(value: float) -> torch.Tensor:
+        return torch.full((rows,), value, device=device)
+
+    return LogitsProcessorsMetadata(penalties=Penalties(torch.arange(rows, device=device), full(0.2), full(0.2),
+                                                        full(1.1), counts, prompt_mask))
+
+
+def make_metadata(sampler: Sampler, rows: int, vocab: int, device: torch.device, top_k: int = 0,
+                  top_p: float = 1.0, logprobs: int | None = None, penalties: bool = False) -> SamplingMetadata:
     top_k_rows = np.full(rows, top_k, np.int32)
     top_p_rows = np.full(rows, top_p, np.float32)
     metadata = SamplingMetadata(
@@ -67,10 +91,11 @@ def make_metadata(sampler: Sampler, rows: int, device: torch.device, top_k: int 
         all_greedy=False,
         all_random=True,
         max_num_logprobs=logprobs,
-        max_top_k=max_top_k(top_k_rows, top_p_rows),
+        max_top_k=max_top_k(top_k_rows),
+        top_p_without_top_k=top_p < 1 and not top_k,
+        logits_processors=penalties_metadata(rows, vocab, device) if penalties else None,
     )
-    sampler.add_row_seeds(metadata, {})
-    return metadata
+    return sampler.add_row_seeds(metadata, {})  # the Triton route draws with the seeds it adds
 
 
 def time_ms(call, device: torch.device, iters: int) -> float:
@@ -101,9 +126,9 @@ def run(rows: int, vocab: int, device: torch.device, iters: int) -> list[dict]:
     for use_triton in (False, True) if device.type == "cuda" else (False,):
         sampler = Sampler(use_triton, seed=0, device=device, max_num_reqs=rows)
         for case, settings in CASES.items():
-            metadata = make_metadata(sampler, rows, device, **settings)
+            metadata = make_metadata(sampler, rows, vocab, device, **settings)
             call = lambda: sampler(logits, metadata)  # noqa: E731
-            with sorting_sampler():
+            with old_sampler(sampler):
                 before = time_ms(call, device, iters)
             after = time_ms(call, device, iters)
             results.append({"route": "triton" if use_triton else "pytorch", "case": case, "before_ms": before,

@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from bench_model import build_random_model
-from workloads import WORKLOADS, make_workload
+from workloads import WORKLOADS, make_workload, request_settings, sampling_settings
 from micro_vllm import LLM, SamplingParams
 from micro_vllm.executor.multiproc_executor import MultiprocStepOutput
 from micro_vllm.executor.single_process import SingleProcessExecutor
@@ -36,8 +36,10 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float,
     """One timed ``generate`` of the prompts, from an empty prefix cache: an earlier run's cache
     (``--repeat``, the profiles, the recipe before the transformers comparison) would serve them.
     ``sampling_params`` (``--sampling-params``) adds SamplingParams fields to the recipe's, or
-    replaces them. Returns output tokens, seconds, and prompt tokens the prefix cache served."""
-    params = [recipe_params(n, temperature, sampling_params) for n in max_tokens]
+    replaces them (a seed: ``seed + i`` for request i, as on vLLM's side). Returns output tokens,
+    seconds, and prompt tokens the prefix cache served."""
+    params = [recipe_params(n, temperature, request_settings(sampling_params or {}, i))
+              for i, n in enumerate(max_tokens)]
     llm.reset_prefix_cache()
     sync()
     start = time.perf_counter()
@@ -53,14 +55,11 @@ def recipe_params(max_tokens: int, temperature: float, extra: dict | None) -> Sa
 
 
 def json_object(text: str) -> dict:
-    """``--sampling-params``: a JSON object of SamplingParams fields."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of SamplingParams fields")
-    return value
+    """``--sampling-params``: one JSON object of SamplingParams fields (a process runs one setting)."""
+    settings = sampling_settings(text)
+    if len(settings) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r} holds {len(settings)} JSON objects; throughput.py runs one")
+    return settings[0]
 
 
 @contextlib.contextmanager
@@ -264,7 +263,7 @@ def main() -> None:
                              "runs the layers' PyTorch code, --custom-ops=-sampler the PyTorch sampler")
     parser.add_argument("--sampling-params", type=json_object, default={}, metavar="JSON",
                         help="more SamplingParams fields for every request, as a JSON object merged over the recipe's: "
-                             """'{"logprobs": 5, "top_k": 50}'""")
+                             """'{"logprobs": 5, "top_k": 50}'; a seed seeds request i with seed + i""")
     parser.add_argument("--profile", action="store_true", help="print kernel profiles of two prefill steps and of decode steps")
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     args = parser.parse_args()

@@ -3,6 +3,8 @@
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/vllm_workloads.py \\
         --model DIR --workload shared-prefix long-context --repeat 2
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/vllm_workloads.py --model DIR \\
+        --sampling-params '[{"top_p": 0.95}, {"top_k": 50, "top_p": 0.9}]'
 
 vLLM is imported from wherever the environment has it (this file holds none of its code); written
 against vLLM 0.24's offline API, with the settings of the comparisons in docs/benchmarks.md ("Setup"):
@@ -10,8 +12,10 @@ bf16, 90% of GPU memory, no tokenizer, seed 0, vLLM's defaults otherwise (prefix
 micro-vLLM). All the workloads named run in one engine, so its start-up is paid once; its
 max_model_len is the largest of theirs unless given. After a short warm-up request each workload's
 whole ``generate`` is timed ``--repeat`` times, each from an empty prefix cache, with the sampling of
-throughput.py (temperature 0.6, EOS ignored). Each run prints ``RESULT {json}`` with its output
-tokens per second.
+throughput.py (temperature 0.6, EOS ignored) and, for each ``--sampling-params`` setting in turn
+(a JSON object or a list of them; repeatable), that setting's fields added to every request as
+throughput.py adds them (a seed: ``seed + i`` for request i). Each run prints ``RESULT {json}`` with
+its output tokens per second and its setting.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import argparse
 import json
 import time
 
-from workloads import WORKLOADS, make_workload
+from workloads import WORKLOADS, make_workload, request_settings, sampling_settings
 
 TEMPERATURE = 0.6
 
@@ -48,7 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of each workload")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the largest of the workloads'")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's option: auto (the model's dtype) or fp8")
+    parser.add_argument("--sampling-params", type=sampling_settings, action="append", metavar="JSON",
+                        help="SamplingParams fields added to every request, a JSON object or a list of them: "
+                             "each workload runs under each setting (default: temperature alone)")
     args = parser.parse_args(argv)
+    settings = [s for group in args.sampling_params or [[{}]] for s in group]
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -65,19 +73,21 @@ def main(argv: list[str] | None = None) -> None:
                 max_model_len=max_model_len, kv_cache_dtype=args.kv_cache_dtype,
                 config=engine_config(llm)))
 
-    for name, workload in workloads.items():
-        inputs = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
-        params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n, detokenize=False)
-                  for n in workload.max_tokens]
-        for run in range(1, args.repeat + 1):
-            llm.reset_prefix_cache()  # a run's prompts must not be served by the run before
-            start = time.perf_counter()
-            outputs = llm.generate(inputs, params, use_tqdm=False)  # returns once every token is on the host
-            seconds = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            result(dict(step="vllm_workload", workload=name, run=run, requests=len(inputs), output_tokens=tokens,
-                        seconds=round(seconds, 3), tok_per_s=round(tokens / seconds, 1),
-                        cached_prompt_tokens=sum(o.num_cached_tokens or 0 for o in outputs)))
+    for setting in settings:
+        for name, workload in workloads.items():
+            inputs = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
+            params = [SamplingParams(**{"temperature": TEMPERATURE, "ignore_eos": True, "max_tokens": n,
+                                        "detokenize": False, **request_settings(setting, i)})
+                      for i, n in enumerate(workload.max_tokens)]
+            for run in range(1, args.repeat + 1):
+                llm.reset_prefix_cache()  # a run's prompts must not be served by the run before
+                start = time.perf_counter()
+                outputs = llm.generate(inputs, params, use_tqdm=False)  # returns once every token is on the host
+                seconds = time.perf_counter() - start
+                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+                result(dict(step="vllm_workload", workload=name, sampling=setting, run=run, requests=len(inputs),
+                            output_tokens=tokens, seconds=round(seconds, 3), tok_per_s=round(tokens / seconds, 1),
+                            cached_prompt_tokens=sum(o.num_cached_tokens or 0 for o in outputs)))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,15 @@ exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,000 as in the recipe
   contexts dominates, and the prompts take most of the KV cache.
 - ``long-context-prefill``: the same prompts with one output token each, the same ``max_model_len``:
   an engine's prefill of long-context alone, which splits its run into prefill and decode.
+
+Both engines also take the same sampling settings (``--sampling-params``): fields of SamplingParams,
+which both engines name alike, added to every request's (``request_settings``).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 from dataclasses import dataclass
 
@@ -70,3 +75,26 @@ def make_workload(name: str, num_requests: int | None = None) -> Workload:
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(0, MAX_TOKEN_ID) for _ in range(n)]
+
+
+def sampling_settings(text: str) -> list[dict]:
+    """``--sampling-params``: a JSON object of SamplingParams fields, or a JSON list of such objects
+    (one setting each)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from e
+    settings = value if isinstance(value, list) else [value]
+    if not settings or not all(isinstance(s, dict) for s in settings):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of SamplingParams fields, "
+                                         "or a non-empty list of them")
+    return settings
+
+
+def request_settings(settings: dict, index: int) -> dict:
+    """The fields ``settings`` gives request ``index`` of a workload: the same for every request,
+    but a ``seed`` seeds request i with ``seed + i``, so that each request is seeded (each engine
+    then draws it from a generator, or a seed, of its own) and no two draw the same noise."""
+    if settings.get("seed") is None:
+        return settings
+    return {**settings, "seed": settings["seed"] + index}

@@ -301,15 +301,9 @@ def test_workloads_are_deterministic_pure_python_and_have_their_promised_shapes(
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(workloads.__file__).parent)
 
 
-def test_vllm_workloads_runs_each_workload_from_an_empty_prefix_cache(monkeypatch, capsys):
-    """The vLLM side on a stand-in ``vllm`` module (vLLM is not installed here): one engine for all
-    the workloads, sized for the longest; a warm-up, then every timed run after a prefix-cache reset;
-    a RESULT line per run counting every requested token."""
-    import json
+def fake_vllm(monkeypatch) -> list:
+    """A stand-in ``vllm`` module (vLLM is not installed here) whose LLM records its calls."""
     import types
-
-    import vllm_workloads
-    import workloads
 
     calls = []
 
@@ -329,6 +323,18 @@ def test_vllm_workloads_runs_each_workload_from_an_empty_prefix_cache(monkeypatc
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, types.SimpleNamespace, "0.24.0"
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    return calls
+
+
+def test_vllm_workloads_runs_each_workload_from_an_empty_prefix_cache(monkeypatch, capsys):
+    """One engine for all the workloads, sized for the longest; a warm-up, then every timed run after
+    a prefix-cache reset; a RESULT line per run counting every requested token."""
+    import json
+
+    import vllm_workloads
+    import workloads
+
+    calls = fake_vllm(monkeypatch)
     vllm_workloads.main(["--model", "/m", "--workload", "long-context", "recipe", "--repeat", "2"])
 
     init = calls[0][1]
@@ -347,6 +353,41 @@ def test_vllm_workloads_runs_each_workload_from_an_empty_prefix_cache(monkeypatc
     runs = [(r["workload"], r["run"], r["output_tokens"]) for r in results[1:]]
     assert runs == [("long-context", 1, 32 * 512), ("long-context", 2, 32 * 512),
                     ("recipe", 1, sum(recipe.max_tokens)), ("recipe", 2, sum(recipe.max_tokens))]
+    assert all(r["sampling"] == {} for r in results[1:])
+
+
+def test_vllm_workloads_runs_each_sampling_setting_as_throughput_does(monkeypatch, capsys, tmp_path):
+    """``--sampling-params``, repeatable, each a JSON object or a list of them: every workload runs
+    under each setting in turn, its fields on every request over the recipe's (a seed becomes seed + i
+    for request i); throughput.py gives micro-vLLM's requests the same fields. Anything but JSON
+    objects is refused."""
+    import json
+
+    import vllm_workloads
+    import workloads
+
+    calls = fake_vllm(monkeypatch)
+    top_p, seeded = {"top_p": 0.95}, {"seed": 7, "top_k": 50}
+    vllm_workloads.main(["--model", "/m", "--workload", "recipe", "--sampling-params", json.dumps([top_p, seeded]),
+                         "--sampling-params", '{"repetition_penalty": 1.1}'])
+    generated = [c[2] for c in calls[2:] if c[0] == "generate"]
+    assert len(generated) == 3
+    assert all((p.top_p, p.temperature, p.ignore_eos) == (0.95, 0.6, True) for p in generated[0])
+    assert [p.seed for p in generated[1]] == [7 + i for i in range(256)] and generated[1][5].top_k == 50
+    assert all(p.repetition_penalty == 1.1 and not hasattr(p, "seed") for p in generated[2])
+    results = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()]
+    assert [r["sampling"] for r in results[1:]] == [top_p, seeded, {"repetition_penalty": 1.1}]
+
+    llm = LLM(model=str(make_tiny_model("qwen3", tmp_path)), device="cpu", max_model_len=64)
+    generate, params = llm.generate, []
+    llm.generate = lambda prompts, p, **kwargs: params.extend(p) or generate(prompts, p, **kwargs)
+    throughput.run_micro_vllm(llm, [[1, 2], [3], [4, 5]], [2, 2, 2], 0.6, throughput.json_object(json.dumps(seeded)))
+    assert [(p.seed, p.top_k, p.temperature) for p in params] == [(7, 50, 0.6), (8, 50, 0.6), (9, 50, 0.6)]
+    for bad in ("[]", '[{"top_p": 0.9}, 2]', "top_p=0.9"):
+        with pytest.raises(argparse.ArgumentTypeError, match="JSON"):
+            workloads.sampling_settings(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="runs one"):
+        throughput.json_object(json.dumps([top_p, seeded]))
 
 
 def test_sampler_bench_times_every_case_on_cpu(capsys):
@@ -359,5 +400,16 @@ def test_sampler_bench_times_every_case_on_cpu(capsys):
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0))
     top_k, top_p = torch.tensor([0, 5, 50, 50], dtype=torch.int32), torch.tensor([1.0, 0.9, 0.9, 0.3])
     before = sampler_bench.sorted_top_k_top_p(logits, top_k, top_p)
-    after = sampler_module.apply_top_k_top_p(logits, top_k, top_p)
+    after = sampler_module.apply_top_k_top_p(logits, top_k, top_p, 64, sampler_module.sorted_top_p_threshold)
     assert torch.equal(before.isfinite(), after.isfinite())
+
+
+def test_peer_workloads_refuses_a_sampling_that_is_not_json_objects(tmp_path):
+    """``SAMPLING`` goes through the scripts' own parser before anything runs."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(["bash", "benchmarks/peer_workloads.sh", str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, env={**os.environ, "SAMPLING": "[1]", "OUT": str(tmp_path / "out")})
+    assert run.returncode == 2 and "not a JSON object of SamplingParams fields" in run.stderr

@@ -616,11 +616,13 @@ def test_chunked_prefill_and_prefix_caching_keep_greedy_outputs(family, model_di
 # -- seeded sampling ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("filters", [dict(top_p=0.9, top_k=20), {}], ids=["top-k-top-p", "temperature-only"])
+@pytest.mark.parametrize("filters", [dict(top_p=0.9, top_k=20), dict(top_p=0.9), {}],
+                         ids=["top-k-top-p", "top-p", "temperature-only"])
 def test_seeded_sampling_does_not_depend_on_the_batch(shared_engine, filters):
     """Same seed, same tokens, alone or in any batch, on the GPU sampler with CUDA graphs. With
     temperature only, the request alone takes the sampler kernels' unfiltered route and in the crowd
-    (which has top-k / top-p rows) the filtered route: the draws must agree. In fp32: a seeded
+    (which has top-k / top-p rows) the filtered route: the draws must agree. With top-p alone, its
+    threshold comes from the top-p search whether or not the batch has top-k rows. In fp32: a seeded
     request cannot be more reproducible than its logits, and in bf16 those may differ in the last
     bit with the batch's shape (GEMM kernels chosen by the number of rows, graph padding); fp32
     makes that negligible, so what is tested is the sampler's per-request noise."""

@@ -1,7 +1,7 @@
 """Compile every Triton kernel launch of micro-vLLM for the H200 (sm_90) on a machine without a GPU.
 
 Run as a script, with TRITON_INTERPRET unset. The real launch wrappers (``triton_attn``,
-``triton_ops``) are called on CPU tensors shaped like the benchmark model's (Qwen3-0.6B: 16 query
+``triton_ops``, the sampling's) are called on CPU tensors shaped like the benchmark model's (Qwen3-0.6B: 16 query
 heads, 8 KV heads of 128), like a sliding-window model and with head sizes of 12, 80 and 256, in bf16 (and fp32 for attention). Each kernel launch is
 caught instead of run, and its arguments become an ahead-of-time compile with Triton's own ptxas:
 what the interpreter accepts but the GPU compiler rejects, a tile that needs more shared memory than
@@ -32,7 +32,8 @@ from micro_vllm.attention.backends import triton_attn  # noqa: E402
 from micro_vllm.attention.backends.abstract import CommonAttentionMetadata  # noqa: E402
 from micro_vllm.attention.spec import AttentionSpec  # noqa: E402
 from micro_vllm.layers import triton_ops  # noqa: E402
-from micro_vllm.sampling import triton_sampler  # noqa: E402
+from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p  # noqa: E402
+from micro_vllm.sampling.logits_processors import Penalties  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 MAX_SHARED_MEMORY = 232_448  # bytes a block may use on sm_90 (227 KiB)
@@ -168,6 +169,11 @@ def main() -> int:
     attention_launches(torch.bfloat16, 2, None, 4, kv_cache_dtype=torch.float8_e4m3fn)  # kv_cache_dtype="fp8"
     for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype
         triton_sampler.sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64))
+    triton_top_p.top_p_threshold(torch.zeros(4, 151936), torch.full((4,), 0.9))  # the scaled logits, fp32
+    rows, vocab = torch.arange(2), 151936
+    triton_penalties.apply_penalties(torch.zeros(4, vocab), Penalties(
+        rows, torch.zeros(2), torch.zeros(2), torch.ones(2), torch.zeros(8, vocab, dtype=torch.int32),
+        torch.zeros(8, vocab, dtype=torch.bool)))
     print(f"{len(compiled)} kernel variants compiled for sm_90")
     return 0
 

@@ -164,11 +164,14 @@ def test_each_case_changes_the_output(hf_model, references):
     assert references["min_tokens"][5:] == [STOP]
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_greedy_tokens_match_the_reference_processors(llama, references, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, custom_ops", [(True, None), (False, None), (True, ["+sampler"])],
+                         ids=["async", "sync", "async-triton"])
+def test_greedy_tokens_match_the_reference_processors(llama, references, async_scheduling, custom_ops):
+    """On both sampler routes: the Triton route penalizes in its own pass (``triton_penalties``)."""
     names = list(CASES)
     with LLM(model=str(llama), device="cpu", dtype="float32", max_model_len=64, block_size=8,
-             max_num_batched_tokens=32, max_num_seqs=len(names), async_scheduling=async_scheduling) as llm:
+             max_num_batched_tokens=32, max_num_seqs=len(names), async_scheduling=async_scheduling,
+             custom_ops=custom_ops) as llm:
         outputs = llm.generate([CASES[n][0] for n in names], [CASES[n][1] for n in names], use_tqdm=False)
     assert dict(zip(names, token_ids(outputs))) == references
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from micro_vllm.sampling import sampler as sampler_module
-from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
+from micro_vllm.sampling.sampler import Sampler, SamplingMetadata, max_top_k
 from micro_vllm.sampling.triton_sampler import sample
 
 
@@ -129,7 +129,7 @@ def test_a_low_temperature_is_nearly_greedy(temperature):
 
 def _kernel_metadata(temperature, seeds, top_k=None, top_p=None) -> SamplingMetadata:
     return SamplingMetadata(temperature, top_k, top_p, all_greedy=False, all_random=bool((temperature > 0).all()),
-                            seeds=seeds)
+                            seeds=seeds, max_top_k=None if top_k is None else max_top_k(top_k.numpy()))
 
 
 def test_a_row_draws_the_same_token_beside_filtered_rows():
@@ -201,7 +201,7 @@ def test_the_runner_path_keeps_seeded_requests_independent_of_the_batch(tmp_path
 
     path = make_tiny_model("qwen3", tmp_path)
     prompts = [[5, 6, 7, 8], [9] * 11, [3, 1, 4, 1, 5, 9, 2, 6], [42]]
-    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.8, seed=1234, ignore_eos=True)  # the top-p search
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     unseeded = SamplingParams(max_tokens=10, temperature=0.8, ignore_eos=True)
     runs = []

@@ -76,6 +76,7 @@ def test_rows_follow_the_step_with_their_tokens_blocks_and_settings():
     metadata = batch.sampling_metadata
     assert metadata.temperature.tolist() == [0.5, 0.0, 1.0] and metadata.top_k.tolist() == [3, 0, 0]
     assert metadata.top_p.tolist() == [1.0, 1.0, 0.75] and not metadata.all_greedy and not metadata.all_random
+    assert metadata.max_top_k == 4 and metadata.top_p_without_top_k  # "c" has top-p alone
     assert metadata.logits_processors.penalties.rows.tolist() == [2]
     step(["a", "b", "c"], [(9,), (), (8, 7)])  # the same rows: the metadata is the last step's
     assert batch.sampling_metadata is metadata
@@ -87,6 +88,7 @@ def test_rows_follow_the_step_with_their_tokens_blocks_and_settings():
     assert batch.req_ids == ["c", "b"] and batch.num_reqs == 1
     assert rows() == {"c": ([6, 8, 7], 7, 1.0, 11, True), "b": before["b"]}
     assert batch.sampling_metadata.temperature.tolist() == [1.0]
+    assert batch.sampling_metadata.max_top_k is None and batch.sampling_metadata.top_p_without_top_k
     assert batch.sampling_metadata.logits_processors.penalties.rows.tolist() == [0]
     step(["c", "b"], [(), (4,)])
     assert batch.req_ids == ["c", "b"] and rows()["b"][0] == [3, 4, 5, 4]

@@ -77,12 +77,14 @@ def test_profile_step_is_the_largest_step_the_scheduler_can_plan(max_num_seqs, b
     assert query_lens[0] == query_lens.max()  # one long prompt among the others
 
 
-def test_start_up_steps_run_on_cpu_and_write_no_kv(tmp_path):
+@pytest.mark.parametrize("custom_ops", [None, ["+sampler"]], ids=["pytorch-sampler", "triton-sampler"])
+def test_start_up_steps_run_on_cpu_and_write_no_kv(tmp_path, custom_ops):
     """The profiling step and the warm-up steps (run on CUDA at start-up) on CPU with a tiny model:
-    long prompts beside short ones, sampled with top-k and top-p. The warm-up runs on the real KV
-    cache and must leave it as it was."""
+    long prompts beside short ones, sampled with top-k and top-p, on each sampler route. The warm-up
+    runs on the real KV cache and must leave it as it was."""
     path = make_tiny_model("qwen3", tmp_path)
-    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100) as llm:
+    with LLM(model=str(path), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100,
+             custom_ops=custom_ops) as llm:
         runner = llm.engine.executor.worker.model_runner
         layers = runner.model.attention_layers()
         for layer in layers:

@@ -5,7 +5,8 @@ masks every other token, then per-token biases (``logit_bias`` adds its values; 
 ``min_tokens`` ban tokens with -inf), then the penalties: ``repetition_penalty`` on tokens of the
 prompt or the output (positive logits divided by it, negative ones multiplied), then
 ``frequency_penalty`` times each token's count in the output and ``presence_penalty`` for each
-token the output holds. ``apply_min_p`` filters the temperature-scaled logits, before top-k / top-p.
+token the output holds (in PyTorch here, or in one Triton pass, ``triton_penalties.py``, on the
+Sampler's Triton route). ``apply_min_p`` filters the temperature-scaled logits, before top-k / top-p.
 
 The runner's ``InputBatch`` makes the inputs from its rows' settings when its rows change, and each
 step adds the tokens ``min_tokens`` and ``bad_words`` ban at that step (they depend on the output so
@@ -14,6 +15,7 @@ far); a batch that uses no processor has no ``LogitsProcessorsMetadata`` and nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +56,15 @@ class LogitsProcessorsMetadata:
     penalties: Penalties | None = None
 
 
-def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMetadata) -> torch.Tensor:
-    """The processed logits in float32 (a new tensor; ``logits`` is left as it was)."""
+# Penalizes in place the rows of float32 logits [n, vocab] that the Penalties name.
+PenaltiesApplier = Callable[[torch.Tensor, Penalties], None]
+
+
+def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMetadata,
+                            penalize: PenaltiesApplier) -> torch.Tensor:
+    """The processed logits in float32 (a new tensor; ``logits`` is left as it was). ``penalize``
+    applies the penalties: ``apply_penalties``, or the Triton pass of ``triton_penalties`` on the
+    Sampler's Triton route."""
     logits = logits.to(torch.float32, copy=True)
     if metadata.allowed_rows is not None:
         banned = torch.zeros_like(logits, dtype=torch.bool)
@@ -65,22 +74,23 @@ def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMeta
     for biases in (metadata.logit_bias, metadata.bans):
         if biases is not None:
             logits.index_put_((biases.rows, biases.token_ids), biases.values, accumulate=True)
-    penalties = metadata.penalties
-    if penalties is not None:
-        logits[penalties.rows] = apply_penalties(logits[penalties.rows], penalties)
+    if metadata.penalties is not None:
+        penalize(logits, metadata.penalties)
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties (vLLM's, after OpenAI's definition), on the
-    logits of ``penalties.rows``."""
-    counts = penalties.output_token_counts[penalties.rows]
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
+    """Repetition, then frequency and presence penalties (vLLM's, after OpenAI's definition), in
+    place on the rows ``penalties.rows`` of ``logits``."""
+    rows = penalties.rows
+    penalized = logits[rows]
+    counts = penalties.output_token_counts[rows]
     in_output = counts > 0
     repetition = penalties.repetition.unsqueeze(-1)
-    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(in_output | penalties.prompt_token_mask[penalties.rows], repeated, logits)
-    logits = logits - penalties.frequency.unsqueeze(-1) * counts
-    return logits - penalties.presence.unsqueeze(-1) * in_output
+    repeated = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+    penalized = torch.where(in_output | penalties.prompt_token_mask[rows], repeated, penalized)
+    penalized = penalized - penalties.frequency.unsqueeze(-1) * counts
+    logits[rows] = penalized - penalties.presence.unsqueeze(-1) * in_output
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

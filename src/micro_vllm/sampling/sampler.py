@@ -7,8 +7,9 @@ structured-output step's grammar bitmask sets every token a grammar forbids to -
 logits processors (``logits_processors.py``: penalties, bad words, ...) apply, so the greedy argmax
 and both routes see the processed logits; a grammar's row that the processors' bans leave with no
 token falls back to the grammar's mask alone. Greedy rows take the argmax. Random rows are scaled by
-temperature, filtered by min-p and top-k / top-p (a threshold per row, from the row's top
-candidates: no sort of the vocabulary unless a row uses top-p without top-k), and drawn with the
+temperature, filtered by min-p and top-k / top-p (a threshold per row: from the row's top
+candidates when it has a top-k, else over its whole row, which the PyTorch route sorts and the
+Triton route searches without a sort, ``triton_top_p.py``), and drawn with the
 exponential race (argmax of p / E with E ~ Exp(1)), which needs no cumulative sums and lets each
 seeded row draw its noise from its own generator, so its tokens do not depend on the batch. A
 Sampler built with ``use_triton`` draws every batch that samples with the Triton sampler instead
@@ -22,6 +23,7 @@ rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -30,10 +32,14 @@ import torch
 
 from micro_vllm.cpu_gpu_buffer import CpuGpuBuffer, copy_to_host
 from micro_vllm.outputs import LogprobsLists
-from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, apply_logits_processors, apply_min_p
+from micro_vllm.sampling.logits_processors import (LogitsProcessorsMetadata, PenaltiesApplier, apply_logits_processors,
+                                                   apply_min_p, apply_penalties)
 
 
 SEED_POOL_SIZE = 4096  # the engine stream's seeds drawn at once for the Triton sampler
+
+# Each row's top-p threshold over its whole row, [n, 1], from logits [n, vocab] and top_p [n].
+WholeRowTopP = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,11 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     logits_processors: LogitsProcessorsMetadata | None = None  # None when no row uses one
     min_p: torch.Tensor | None = None  # float32 [n], 0 = off; None when no row uses it
-    # How many of each row's best logits top-k / top-p need to see (``max_top_k``); None: whole rows.
+    # How many of each row's best logits top-k (and top-p within it) need to see (``max_top_k``);
+    # None: no row uses top-k.
     max_top_k: int | None = None
+    # Whether a row uses top-p without top-k: its nucleus is searched over its whole row.
+    top_p_without_top_k: bool = False
     # int32 [n, words] on the host, xgrammar's layout (token t is bit t % 32 of word t // 32): the
     # tokens each row's grammar allows, all ones for a row without one; None: no row has one.
     grammar_bitmask: torch.Tensor | None = None
@@ -120,50 +129,57 @@ def keep_a_token_the_grammar_allows(processed: torch.Tensor, masked: torch.Tenso
     return torch.where(no_token_left, masked.float(), processed)
 
 
-def max_top_k(top_k: np.ndarray, top_p: np.ndarray) -> int | None:
-    """How many top candidates hold every kept set of the rows with these settings (host arrays):
-    the largest ``top_k`` rounded up to a power of two when every row that uses top-p also uses top-k;
-    None when a row's top-p nucleus may reach anywhere in the vocabulary (its row must be sorted
-    whole). Extra candidates change no row's kept set (``apply_top_k_top_p``), and the rounding keeps
-    the counts few: ``topk`` launches other kernels for other counts, and start-up loads those of
-    each (``dummy_run.load_eager_kernels``)."""
-    if not top_k.any() or not top_k[top_p < 1].all():
+def max_top_k(top_k: np.ndarray) -> int | None:
+    """How many top candidates hold every top-k set of the rows with these settings (a host array):
+    the largest ``top_k`` rounded up to a power of two; None when no row uses top-k. Extra candidates
+    change no row's kept set (``apply_top_k_top_p``), and the rounding keeps the counts few: ``topk``
+    launches other kernels for other counts, and start-up loads those of each
+    (``dummy_run.load_eager_kernels``)."""
+    if not top_k.any():
         return None
     return 1 << (int(top_k.max()) - 1).bit_length()
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                      max_top_k: int | None = None) -> torch.Tensor:
+                      max_top_k: int | None, whole_row_top_p: WholeRowTopP | None = None) -> torch.Tensor:
     """Mask everything outside each row's top-k and then its top-p nucleus with -inf.
 
     Top-k keeps the tokens at least as large as the row's k-th largest logit (all of a tie). Top-p
     then keeps a token when the probability of the tokens strictly above it (within the top-k set)
     is at most ``top_p``: the smallest set of best tokens whose mass reaches ``top_p``, with all of
-    a tie. Both come down to one threshold per row, found among the row's best candidates in
-    descending order: the top ``max_top_k`` (``torch.topk`` selects them without sorting the
-    vocabulary) when every top-p row also has a top-k (``max_top_k`` above), else the whole sorted
-    row. ``top_k`` 0 and ``top_p`` 1 turn a row's filter off."""
-    vocab_size = logits.shape[-1]
-    if max_top_k is None:
-        candidates = logits.sort(dim=-1, descending=True).values
-    else:
-        candidates = logits.topk(min(max_top_k, vocab_size), dim=-1).values
-    threshold = torch.full_like(candidates[:, :1], float("-inf"))
+    a tie. Both come down to one threshold per row. A row with top-k finds it among its best
+    candidates in descending order, the top ``max_top_k`` (``torch.topk`` selects them without
+    sorting the vocabulary). A row with top-p and no top-k (there must be one when
+    ``whole_row_top_p`` is given, and only then) gets its threshold over its whole row from
+    ``whole_row_top_p``: ``sorted_top_p_threshold`` or the Triton search (``triton_top_p``).
+    ``top_k`` 0 and ``top_p`` 1 turn a row's filter off."""
+    threshold = torch.full_like(logits[:, :1], float("-inf"))
     if top_k is not None:
+        candidates = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1).values
         k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
-        threshold = torch.where(top_k.unsqueeze(-1) > 0, candidates.gather(-1, k - 1), threshold)
-    if top_p is not None:
-        top_k_threshold = None if top_k is None else threshold
-        threshold = torch.maximum(threshold, _top_p_threshold(logits, candidates, top_k_threshold, top_p))
+        with_top_k = top_k.unsqueeze(-1) > 0
+        threshold = torch.where(with_top_k, candidates.gather(-1, k - 1), threshold)
+        if top_p is not None:
+            top_p_of_rows = torch.where(top_k > 0, top_p, 1.0)
+            threshold = torch.maximum(threshold, _top_p_threshold(logits, candidates, threshold, top_p_of_rows))
+    if whole_row_top_p is not None:
+        top_p_alone = top_p if top_k is None else torch.where(top_k > 0, 1.0, top_p)
+        threshold = torch.maximum(threshold, whole_row_top_p(logits, top_p_alone))
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def sorted_top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-p threshold of each whole row, float32 [n, 1], by its definition: from the row
+    sorted (-inf where ``top_p`` is 1)."""
+    return _top_p_threshold(logits, logits.sort(dim=-1, descending=True).values, None, top_p)
 
 
 def _top_p_threshold(logits: torch.Tensor, candidates: torch.Tensor, top_k_threshold: torch.Tensor | None,
                      top_p: torch.Tensor) -> torch.Tensor:
     """The smallest logit of each row's top-p nucleus within its top-k set (-inf for rows with
     ``top_p`` 1). ``candidates`` [n, c] are the row's best logits in descending order, which hold
-    its nucleus: all of its top-k set but maybe some of the tokens tied with the k-th, which are
-    counted over the vocabulary.
+    its nucleus: the whole row without a top-k, else all of its top-k set but maybe some of the
+    tokens tied with the k-th, which are counted over the vocabulary.
 
     A row's decision must not depend on how many candidates its batch took (a seeded request
     draws the same tokens in any batch): every sum is a prefix sum over the row's own tokens above
@@ -199,10 +215,14 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.argmax = cpu_argmax if device.type == "cpu" else _device_argmax
+        self.whole_row_top_p: WholeRowTopP = sorted_top_p_threshold
+        self.penalize: PenaltiesApplier = apply_penalties
         if use_triton:
-            from micro_vllm.sampling import triton_sampler
+            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p
 
             self.triton_sample = triton_sampler.sample
+            self.whole_row_top_p = triton_top_p.top_p_threshold
+            self.penalize = triton_penalties.apply_penalties
             self.seed_stream = np.random.default_rng(seed)
             self.seed_pool = np.empty(0, np.int64)  # the stream's next seeds, drawn ahead
             self.seed_pool_start = 0
@@ -252,7 +272,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.logits_processors is not None:
-            processed = apply_logits_processors(logits, metadata.logits_processors)
+            processed = apply_logits_processors(logits, metadata.logits_processors, self.penalize)
             if metadata.grammar_bitmask is not None:
                 processed = keep_a_token_the_grammar_allows(processed, logits)
             logits = processed
@@ -268,7 +288,8 @@ class Sampler:
         if metadata.min_p is not None:
             scaled = apply_min_p(scaled, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p, metadata.max_top_k)
+            whole_row_top_p = self.whole_row_top_p if metadata.top_p_without_top_k else None
+            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p, metadata.max_top_k, whole_row_top_p)
         if metadata.seeds is not None:
             # Already scaled: temperature 1 keeps a row's scores, and so its draw, those of the
             # unfiltered path above (a greedy row's argmax survives any filter).

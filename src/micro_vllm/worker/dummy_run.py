@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, Penalties
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
 
 if TYPE_CHECKING:
@@ -56,9 +57,10 @@ def load_eager_kernels(runner: ModelRunner) -> None:
 
     * the lm_head, at every row count a step can sample (1 to ``max_num_seqs``): cuBLAS picks its
       matmul kernel by the row count;
-    * each sampling route: all greedy, top-p alone (whole sorted rows), top-k / top-p over each
-      number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), each
-      on one row and on two, as a library may pick its kernel by the row count (cuBLAS does);
+    * each sampling route: all greedy, top-p alone (over whole rows), top-k / top-p over each
+      number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), the
+      penalties (which also compiles the Triton route's pass), each on one row and on two, as a
+      library may pick its kernel by the row count (cuBLAS does);
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
       int64 ``index_select`` and ``index_copy_``, ``ModelRunner._input_ids``).
     """
@@ -73,6 +75,7 @@ def load_eager_kernels(runner: ModelRunner) -> None:
         rows_logits = logits[:num_rows]
         dummy_sample(sampler, rows_logits, greedy=True)
         dummy_sample(sampler, rows_logits, top_p=0.9)
+        dummy_sample(sampler, rows_logits, penalties=True)
         for count in candidate_counts:
             sampled = dummy_sample(sampler, rows_logits, top_k=count, top_p=0.9, max_top_k=count)
     input_ids = torch.zeros(len(sampled), dtype=torch.int64, device=settings.device)
@@ -105,11 +108,14 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     are real."""
     inputs = runner.dummy_inputs(query_lens)
     logits = runner.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
-    # Sampling with top-k / top-p over whole sorted rows (the sort is the sampler's largest buffer) and
-    # without a filter, so the variants of both sampler kernels (model-dtype and fp32 logits) compile
-    # here.
+    # Sampling with a top-k of the whole vocabulary (``topk`` of whole rows, as large as a sort: the
+    # sampler's largest buffer), with top-p alone (the PyTorch route's sort, the Triton route's
+    # search) and without a filter, so the variants of the sampler's kernels (model-dtype and fp32
+    # logits, the top-p search) compile here.
     sampler = own_sampler(runner, max_num_reqs=len(query_lens))
-    dummy_sample(sampler, logits, top_k=50, top_p=0.9)
+    vocab_size = logits.shape[-1]
+    dummy_sample(sampler, logits, top_k=vocab_size, top_p=0.9, max_top_k=vocab_size)
+    dummy_sample(sampler, logits, top_p=0.9)
     dummy_sample(sampler, logits)
 
 
@@ -121,10 +127,10 @@ def own_sampler(runner: ModelRunner, max_num_reqs: int) -> Sampler:
 
 
 def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False, top_k: int | None = None,
-                 top_p: float | None = None, max_top_k: int | None = None) -> torch.Tensor:
+                 top_p: float | None = None, max_top_k: int | None = None, penalties: bool = False) -> torch.Tensor:
     """Sample every row of ``logits`` with one setting, as the runner's metadata would send it: all
-    greedy, or temperature 1 with this top-k / top-p (None: off), drawn through the Triton sampler's
-    seeds when it is in use. Returns the sampled ids."""
+    greedy, or temperature 1 with this top-k / top-p (None: off) or with the penalties (over no
+    tokens), drawn through the Triton sampler's seeds when it is in use. Returns the sampled ids."""
     num_rows, device = len(logits), logits.device
 
     def full(value, dtype=torch.float32) -> torch.Tensor:
@@ -133,9 +139,15 @@ def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False
     if greedy:
         metadata = SamplingMetadata(full(0.0), None, None, all_greedy=True, all_random=False)
     else:
+        processors = None
+        if penalties:
+            counts = torch.zeros_like(logits, dtype=torch.int32)
+            processors = LogitsProcessorsMetadata(penalties=Penalties(
+                torch.arange(num_rows, device=device), full(0.5), full(0.5), full(1.5), counts, counts.bool()))
         metadata = SamplingMetadata(full(1.0), None if top_k is None else full(top_k, torch.int32),
                                     None if top_p is None else full(top_p), all_greedy=False, all_random=True,
-                                    max_top_k=max_top_k)
+                                    max_top_k=max_top_k, top_p_without_top_k=top_p is not None and top_k is None,
+                                    logits_processors=processors)
     return sampler(logits, sampler.add_row_seeds(metadata, {})).sampled_token_ids
 
 

@@ -264,7 +264,8 @@ class InputBatch:
             max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
             logits_processors=self._logits_processors() if self.uses_processors[:n].any() else None,
             min_p=self.min_p.copy_to_device(n) if (min_p > 0).any() else None,
-            max_top_k=max_top_k(top_k, top_p),
+            max_top_k=max_top_k(top_k),
+            top_p_without_top_k=bool(((top_p < 1) & (top_k == 0)).any()),
         )
         self.changed = False
 
