@@ -237,7 +237,7 @@ def test_get_metrics_reads_what_the_runs_recorded(model, llm):
                                      use_tqdm=False)
         outputs += recording.generate([[6]], SamplingParams(max_tokens=3, stop_token_ids=[]), use_tqdm=False)
         metrics = {(m.name, tuple(sorted(m.labels.items()))): m for m in recording.get_metrics()}
-    labels = (("model_name", model),)
+    labels = (("engine", "0"), ("model_name", model))
     sequences = [(len(o.prompt_token_ids), c) for o in outputs for c in o.outputs]
     generated = sum(len(c.token_ids) for _, c in sequences)
     counters = {name: m.value for (name, _), m in metrics.items() if isinstance(m, Counter)}
@@ -245,7 +245,7 @@ def test_get_metrics_reads_what_the_runs_recorded(model, llm):
     assert counters["vllm:generation_tokens"] == generated
     reasons = [c.finish_reason for _, c in sequences]
     for reason in set(reasons):
-        success = metrics["vllm:request_success", (("finished_reason", reason), *labels)]
+        success = metrics["vllm:request_success", (labels[0], ("finished_reason", reason), labels[1])]
         assert success.value == reasons.count(reason)
     assert counters["vllm:prefix_cache_queries"] >= 6  # every prompt token was looked up
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
@@ -253,8 +253,17 @@ def test_get_metrics_reads_what_the_runs_recorded(model, llm):
     tokens = metrics["vllm:request_generation_tokens", labels]
     assert isinstance(tokens, Histogram) and (tokens.count, tokens.sum) == (5, generated)
     assert tokens.buckets["+Inf"] == 5 and tokens.buckets["2.0"] == 0
-    assert metrics["vllm:e2e_request_latency_seconds", labels].count == 5
-    assert metrics["vllm:time_to_first_token_seconds", labels].count == 0  # not seen offline
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:request_inference_time_seconds", "vllm:request_time_per_output_token_seconds",
+                 "vllm:time_to_first_token_seconds", "vllm:request_params_max_tokens"):
+        assert metrics[name, labels].count == 5, name  # one a sequence
+    assert metrics["vllm:inter_token_latency_seconds", labels].count == generated - 5  # each token after the first
+    assert metrics["vllm:request_params_max_tokens", labels].sum == 2 * 2 * 4 + 3
+    n = metrics["vllm:request_params_n", labels]
+    assert (n.count, n.sum) == (3, 2 + 2 + 1)  # one a request, its sequences together
+    steps = metrics["vllm:iteration_tokens_total", labels]
+    assert steps.sum == counters["vllm:prompt_tokens"] + generated
     with pytest.raises(RuntimeError, match=r"disable_log_stats=False"):
         llm.get_metrics()  # off by default, as in vLLM's LLM
 

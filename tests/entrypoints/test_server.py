@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.server import make_tiny_chat_model, metric, serve
 from helpers.tiny_models import BOS_TOKEN_ID
@@ -240,13 +241,71 @@ def test_models_tokenize_detokenize_and_metrics(server, client):
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == [BOS_TOKEN_ID, *b"user: hi\nassistant:"]
     assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
-    text = metrics(server)
-    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
-                 "vllm:inter_token_latency_seconds_count", "vllm:request_time_per_output_token_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count"):
-        metric(text, name)
-    assert metric(text, "vllm:generation_tokens_total") > 0
+
+
+# vLLM's metric families (its PrometheusStatLogger's), less those docs/serving.md lists as left out.
+METRIC_FAMILIES = {
+    "gauge": ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info"],
+    "counter": ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
+                "request_success"],
+    "histogram": ["iteration_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                  "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+                  "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                  "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+                  "request_params_max_tokens", "request_params_n", "request_max_num_generation_tokens"],
+}
+
+
+def _samples(text: str) -> tuple[dict[str, str], dict[tuple[str, str | None], float]]:
+    """Each vllm: family's type, and each sample's value by its name and finish reason (if any)."""
+    families = {f.name: f for f in text_string_to_metric_families(text)  # the parser makes each _created a gauge
+                if f.name.startswith("vllm:") and not f.name.endswith("_created")}
+    for family in families.values():
+        for sample in family.samples:  # the cache's settings are its info's labels, without the model's name
+            assert sample.labels["engine"] == "0", sample
+            assert sample.labels.get("model_name") == (None if family.name == "vllm:cache_config_info" else MODEL)
+    values = {(s.name, s.labels.get("finished_reason")): s.value for f in families.values() for s in f.samples}
+    return {name: f.type for name, f in families.items()}, values
+
+
+def test_metrics_count_what_was_sent(server, client):
+    """vLLM's metric families, each there with vLLM's labels, and what a few requests add to them."""
+    _, before = _samples(assert_idle(server))
+    prompts, max_tokens = ["Hello", "The sky is", "1, 2, 3,"], 5
+    for prompt in prompts:
+        response = complete(client, prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        assert response.usage.completion_tokens == max_tokens
+    _, alone = _samples(assert_idle(server))
+    # One at a time: a step per token, each giving one token (the first with its prompt).
+    assert alone["vllm:iteration_tokens_total_count", None] - before.get(("vllm:iteration_tokens_total_count", None),
+                                                                         0.0) == len(prompts) * max_tokens
+    [n_request] = [complete(client, "abc", max_tokens=max_tokens, n=2, extra_body={"ignore_eos": True})]
+    assert len(n_request.choices) == 2
+    types, after = _samples(assert_idle(server))
+    assert types == {f"vllm:{name}": kind for kind, names in METRIC_FAMILIES.items() for name in names}
+    assert after["vllm:cache_config_info", None] == 1
+
+    def added(name: str, reason: str | None = None) -> float:
+        return after[f"vllm:{name}", reason] - before.get((f"vllm:{name}", reason), 0.0)
+
+    num_sequences = len(prompts) + 2  # the n=2 request's two sequences count as two requests, as in vLLM
+    prompt_tokens = sum(map(len, prompts)) + 2 * len("abc")  # one token a byte
+    generated = num_sequences * max_tokens
+    assert added("request_success_total", "length") == num_sequences
+    assert added("request_success_total", "stop") == added("request_success_total", "abort") == 0
+    assert added("prompt_tokens_total") == added("request_prompt_tokens_sum") == prompt_tokens
+    assert added("generation_tokens_total") == added("request_generation_tokens_sum") == generated
+    assert added("request_params_max_tokens_sum") == num_sequences * max_tokens
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens",
+                 "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert added(f"{name}_count") == num_sequences, name
+    assert added("inter_token_latency_seconds_count") == generated - num_sequences
+    assert (added("request_params_n_count"), added("request_params_n_sum")) == (len(prompts) + 1, len(prompts) + 2)
+    assert added("request_max_num_generation_tokens_sum") == (len(prompts) + 1) * max_tokens
+    assert added("iteration_tokens_total_sum") == prompt_tokens + generated
+    assert added("prefix_cache_queries_total") >= prompt_tokens
 
 
 def test_serve_benchmark_runs_against_the_server(server, capsys):

@@ -19,10 +19,12 @@ still compiling ends it at once; a grammar that fails to compile fails only its 
 What it sends back, in order, one message each:
 
 - ``("ready", max_model_len, vocab_size)`` once the engine is built;
-- ``("outputs", outputs, scheduler_stats)`` for each step that made outputs (``scheduler_stats`` None
-  for an abort's output); a request's prompt and prompt token ids travel with its first output only;
+- ``("outputs", outputs, scheduler_stats, iteration_stats)`` for each step, and for each abort that
+  made an output (``scheduler_stats`` None then); a request's prompt and prompt token ids travel with
+  its first output only. A request aborted while its grammar compiles never reached the engine, and
+  its ``iteration_stats`` count nothing;
 - ``("refused", request_id, error)`` for a request the engine refuses;
-- ``("stats", scheduler_stats)`` whenever the engine falls idle, and at shutdown;
+- ``("stats", scheduler_stats)`` at start, whenever the engine falls idle, and at shutdown;
 - ``("dead", error)`` last, when the loop stops: shutdown, an error in a step, or an engine that
   could not be built.
 """
@@ -92,11 +94,12 @@ class EngineCoreProc:
     def run(self) -> None:
         engine = self.engine
         try:
+            self.conn.send(("stats", engine.scheduler.make_stats()))  # the loggers learn the KV cache's size
             while self._handle_inputs(block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    if outputs:
-                        self.conn.send(("outputs", self._compact(outputs), engine.last_step_stats))
+                    self.conn.send(("outputs", self._compact(outputs), engine.last_step_stats,
+                                    engine.take_iteration_stats()))
                 if not engine.has_unfinished_requests():
                     self.conn.send(("stats", engine.scheduler.make_stats()))
             self.conn.send(("stats", engine.scheduler.make_stats()))
@@ -195,7 +198,7 @@ class EngineCoreProc:
         else:
             outputs = self.engine.abort_request(request_id)
         if outputs:
-            self.conn.send(("outputs", self._compact(outputs), None))
+            self.conn.send(("outputs", self._compact(outputs), None, self.engine.take_iteration_stats()))
 
     def _refuse(self, request_id: str, error: BaseException) -> None:
         self.conn.send(("refused", request_id, _picklable(error)))

@@ -191,7 +191,7 @@ def run_server(config, served_model_names: list[str], host: str, port: int, api_
     check_int("max_request_body_bytes", max_request_body_bytes, 1, None)  # before the model loads
     check_optional_int("max_log_len", max_log_len, 0, None)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    stat_logger = PrometheusStatLogger(served_model_names[0])
+    stat_logger = PrometheusStatLogger(served_model_names[0], config.cache_config)
     engine = AsyncLLM(config, stat_loggers=[stat_logger])
     app = build_app(engine, served_model_names, config.model_config.model, stat_logger, api_key,
                     max_request_body_bytes, enable_log_requests, max_log_len)
