@@ -176,10 +176,10 @@ class OutputProcessor:
             if num_new_tokens > 0:
                 iteration_stats.update_from_output(state.stats, state.request.num_prompt_tokens, num_new_tokens, now)
 
-    def finish(self, requests: Iterable[Request], iteration_stats: IterationStats | None = None,
-               now: float = 0.0) -> list[RequestOutput]:
+    def finish(self, requests: Iterable[Request], iteration_stats: IterationStats | None,
+               now: float) -> list[RequestOutput]:
         """The final outputs of finished requests, whose states are then dropped; each finished
-        request is added to ``iteration_stats`` (if given), as finished at ``now``."""
+        request is added to ``iteration_stats`` (unless None), as finished at ``now``."""
         outputs = []
         for request in requests:
             state = self.states.pop(request.request_id)
@@ -192,11 +192,10 @@ class OutputProcessor:
                     iteration_stats.update_from_finished_user_request(1, state.stats.num_generation_tokens)
         return outputs
 
-    def gather(self, outputs: list[RequestOutput],
-               iteration_stats: IterationStats | None = None) -> list[RequestOutput]:
+    def gather(self, outputs: list[RequestOutput], iteration_stats: IterationStats | None) -> list[RequestOutput]:
         """One output per request the user added: the outputs of a parent's children, all of one
         step, become the parent's one output (if its output kind gives one now). A parent whose
-        children have all finished is added to ``iteration_stats`` (if given)."""
+        children have all finished is added to ``iteration_stats`` (unless None)."""
         if not self.parent_of:
             return outputs
         gathered, by_parent = [], defaultdict(list)
