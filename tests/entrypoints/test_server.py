@@ -1,6 +1,7 @@
 """A real ``micro-vllm serve`` process on a tiny model, driven with the official ``openai`` client:
 completions and chat, streamed and not, stop strings, usage; a client that disconnects mid-stream is
-aborted and its blocks freed; a load of concurrent streaming clients with disconnects and malformed
+aborted and its blocks freed, and one that leaves before its first token is never prefilled (a server
+of its own, with one slot); vLLM's metric families and what requests add to them; a load of concurrent streaming clients with disconnects and malformed
 requests mixed in; error statuses. Fields that other parts of the engine add (``n``, logprobs,
 penalties, logit_bias) are tested here too, and skipped until SamplingParams has them (structured
 outputs: in test_server_default_model.py, which a random model could not finish)."""
@@ -21,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.server import make_tiny_chat_model, metric, serve
-from helpers.tiny_models import BOS_TOKEN_ID
+from helpers.tiny_models import BOS_TOKEN_ID, make_tiny_model
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -360,3 +361,46 @@ def test_penalties_min_p_and_min_tokens_are_accepted(client):
 def test_logit_bias_forces_a_token(client):
     response = complete(client, "Hello", logit_bias={str(ord("z")): 100}, max_tokens=4, extra_body={"ignore_eos": True})
     assert response.choices[0].text == "zzzz"
+
+
+def test_clients_that_leave_before_their_first_token_are_never_prefilled(tmp_path):
+    """A request holds the only slot (``--max-num-seqs 1``) while others with long prompts wait behind
+    it; their clients leave before any token. The server notices without a first token and the engine
+    aborts them while they wait: once the slot is free, none of their prompts is prefilled (a prompt
+    counts in vllm:prompt_tokens at its first token), and a request after them runs at once."""
+    model = make_tiny_model("llama", tmp_path, max_position_embeddings=4096)
+    with serve(str(model), "--max-model-len", "4096", "--max-num-seqs", "1", "--max-num-batched-tokens", "256",
+               "--block-size", "16") as url, httpx.Client(base_url=url, timeout=60) as http:
+        holding = {"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}  # runs for seconds
+        with http.stream("POST", "/v1/completions", json=holding) as response:
+            lines = response.iter_lines()  # kept: a closed iterator closes the response
+            assert next(line for line in lines if line.startswith("data:"))
+            leaving = [_send_raw(url, {"prompt": "x" * 200, "max_tokens": 5, "stream": stream}) for stream in
+                       (True, False, True, False)]
+            _wait_for(url, "vllm:num_requests_waiting", len(leaving))
+            for connection in leaving:
+                connection.close()
+            _wait_for(url, "vllm:num_requests_waiting", 0)
+            assert metric(metrics(url), "vllm:num_requests_running") == 1, "the holding request ended first"
+        assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3}).status_code == 200
+        text = assert_idle(url)
+    assert metric(text, "vllm:prompt_tokens_total") == len("Hi") + len("Hello")  # one token a byte
+    assert metric(text, "vllm:request_success_total", finished_reason="abort") == len(leaving) + 1
+    assert metric(text, "vllm:request_queue_time_seconds_count") == len(leaving) + 2
+
+
+def _send_raw(url: str, body: dict) -> socket.socket:
+    """A connection that has sent ``body`` to /v1/completions and reads nothing."""
+    payload = json.dumps(body).encode()
+    address = httpx.URL(url)
+    connection = socket.create_connection((address.host, address.port))
+    connection.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return connection
+
+
+def _wait_for(url: str, name: str, value: float, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while metric(metrics(url), name) != value:
+        assert time.monotonic() < end, f"{name} never reached {value}"
+        time.sleep(0.05)
