@@ -1,10 +1,11 @@
 """A real ``micro-vllm serve`` process on a tiny model, driven with the official ``openai`` client:
 completions and chat, streamed and not, stop strings, usage; a client that disconnects mid-stream is
 aborted and its blocks freed, and one that leaves before its first token is never prefilled (a server
-of its own, with one slot); vLLM's metric families and what requests add to them; a load of concurrent streaming clients with disconnects and malformed
-requests mixed in; error statuses. Fields that other parts of the engine add (``n``, logprobs,
-penalties, logit_bias) are tested here too, and skipped until SamplingParams has them (structured
-outputs: in test_server_default_model.py, which a random model could not finish)."""
+of its own, with one slot); vLLM's metric families and what requests add to them; a load of concurrent
+streaming clients with disconnects and malformed requests mixed in; error statuses. Fields that other
+parts of the engine add (``n``, logprobs, penalties, logit_bias) are tested here too, and skipped until
+SamplingParams has them (structured outputs: in test_server_default_model.py, which a random model
+could not finish)."""
 
 from __future__ import annotations
 
