@@ -3,10 +3,10 @@
 It owns an ``LLMEngine`` and runs it as the offline loop does: between steps it applies the requests and
 aborts that have come in, steps while anything is unfinished, and blocks when idle. An input thread
 (vLLM's engine core has one too) reads the pipe all the time into a queue, and the loop applies
-everything in the queue before it plans each step: a step can take seconds on a CPU, and a pipe read
-only between steps fills up, so that the server's event loop waited in its send (seeing no client
-leave meanwhile) and the adds of a burst came in a few per step, each scheduled, and so prefilled,
-before the aborts behind it had a chance to come in.
+everything in the queue before it plans each step. Read only between steps, the pipe would fill up
+during a long step (seconds on a CPU): the server's event loop would wait in its send, seeing no
+client leave meanwhile, and a burst of adds would come in a few per step, each scheduled, and so
+prefilled, before the aborts behind it.
 
 A structured-output request is checked at once (``LLMEngine.make_request``: a request the engine refuses
 fails its caller before anything runs), then waits while its grammar compiles on a thread of its own
