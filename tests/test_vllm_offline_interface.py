@@ -253,8 +253,17 @@ def test_get_metrics_reads_what_the_runs_recorded(model, llm):
     tokens = metrics["vllm:request_generation_tokens", labels]
     assert isinstance(tokens, Histogram) and (tokens.count, tokens.sum) == (5, generated)
     assert tokens.buckets["+Inf"] == 5 and tokens.buckets["2.0"] == 0
-    assert metrics["vllm:e2e_request_latency_seconds", labels].count == 5
-    assert metrics["vllm:time_to_first_token_seconds", labels].count == 0  # not seen offline
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:request_inference_time_seconds", "vllm:request_time_per_output_token_seconds",
+                 "vllm:time_to_first_token_seconds", "vllm:request_params_max_tokens"):
+        assert metrics[name, labels].count == 5, name  # one a sequence
+    assert metrics["vllm:inter_token_latency_seconds", labels].count == generated - 5  # each token after the first
+    assert metrics["vllm:request_params_max_tokens", labels].sum == 2 * 2 * 4 + 3
+    n = metrics["vllm:request_params_n", labels]
+    assert (n.count, n.sum) == (3, 2 + 2 + 1)  # one a request, its sequences together
+    steps = metrics["vllm:iteration_tokens_total", labels]
+    assert steps.sum == counters["vllm:prompt_tokens"] + generated
     with pytest.raises(RuntimeError, match=r"disable_log_stats=False"):
         llm.get_metrics()  # off by default, as in vLLM's LLM
 

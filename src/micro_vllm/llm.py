@@ -18,7 +18,6 @@ from micro_vllm.engine.engine import LLMEngine, PromptType
 from micro_vllm.engine.request_output import RequestOutput
 from micro_vllm.metrics.loggers import PrometheusStatLogger
 from micro_vllm.metrics.reader import Metric, get_metrics_snapshot
-from micro_vllm.metrics.stats import IterationStats
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.validation import reject, short_repr
 
@@ -55,8 +54,9 @@ class LLM:
                          f"replicas behind one server with `micro-vllm serve --data-parallel-size {replicas}`, "
                          "or start one LLM per replica")
         self.config = config
-        self.engine: LLMEngine | None = LLMEngine(config)
-        self.stat_logger = None if disable_log_stats else PrometheusStatLogger(config.model_config.model)
+        self.engine: LLMEngine | None = LLMEngine(config, log_stats=not disable_log_stats)
+        self.stat_logger = None if disable_log_stats else PrometheusStatLogger(config.model_config.model,
+                                                                               config.cache_config)
         self._request_counter = itertools.count()
         # One generate() at a time: calls from several threads wait for each other.
         self._generate_lock = threading.Lock()
@@ -87,9 +87,9 @@ class LLM:
         """The metrics recorded so far, as vLLM's metrics reader gives them (``micro_vllm.metrics.reader``:
         ``Counter``, ``Gauge`` and ``Histogram``, under vLLM's ``vllm:`` names): the scheduler's
         figures at every step (requests running and waiting, KV cache usage, prefix cache queries and
-        hits, preemptions) and each finished sequence's (finish reason, prompt and generated tokens,
-        end-to-end latency). ``generate`` sees a request only once it has finished, so the histograms
-        of time to first token, inter-token latency and time per output token stay empty here.
+        hits, preemptions), the tokens each step gave out with their latencies (time to first token,
+        inter-token latency) and each finished sequence's (finish reason, prompt and generated tokens,
+        time queued, prefilling, decoding, end to end), as the server's ``/metrics`` gives them.
 
         Needs ``LLM(..., disable_log_stats=False)``: as in vLLM, an ``LLM`` records no metrics by default."""
         if self.stat_logger is None:
@@ -136,7 +136,6 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         requests = [engine.make_request(str(next(self._request_counter)), p, sp) for p, sp in zip(prompts, params)]
-        arrival_time = time.monotonic()
         for request in requests:
             engine.add_request(request.request_id, request)
         order = {r.request_id: i for i, r in enumerate(requests)}
@@ -157,7 +156,7 @@ class LLM:
                     prefill_tokens += scheduler_stats.num_prefill_tokens
                     decode_tokens += scheduler_stats.num_decode_tokens
                 if self.stat_logger is not None:
-                    self.stat_logger.record(scheduler_stats, _finished_stats(outputs, time.monotonic() - arrival_time))
+                    self.stat_logger.record(scheduler_stats, engine.take_iteration_stats())
                 for output in outputs:
                     results[order[output.request_id]] = output
                     bar.update(1)
@@ -276,17 +275,6 @@ class LLM:
         if self.engine is None or self._shutdown_requested:
             raise RuntimeError("this LLM was shut down")
         return self.engine
-
-
-def _finished_stats(outputs: list[RequestOutput], e2e_latency: float) -> IterationStats:
-    """The finished outputs of one step as the metrics count them: each sequence as a request of its
-    own (vLLM runs a request with ``n > 1`` as ``n``), ``e2e_latency`` seconds after it arrived."""
-    stats = IterationStats()
-    for output in outputs:
-        for completion in output.outputs:
-            stats.update_from_finished(completion.finish_reason, len(output.prompt_token_ids),
-                                       len(completion.token_ids), e2e_latency)
-    return stats
 
 
 _PROMPTS = "a prompt (a string, a list of token ids, or a dict) or a list of prompts"

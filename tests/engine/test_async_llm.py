@@ -5,7 +5,9 @@ health check, saying how the process ended.
 
 Then the engine process's loop (``EngineCoreProc``) driven over a pipe in this process, its grammar
 compiles held until the test lets them go: the other requests step meanwhile, an abort ends a request
-still compiling at once, and a grammar that fails to compile fails only its request."""
+still compiling at once, and a grammar that fails to compile fails only its request; and a step held
+until the test lets it go: the requests and aborts that come in meanwhile are all applied before the
+next step, so that an aborted request is never scheduled."""
 
 import asyncio
 import multiprocessing
@@ -239,7 +241,8 @@ class Core:
         self.compiles = HeldCompiles(engine.get_structured_output_manager())
         engine.get_structured_output_manager = lambda: self.compiles
         self.conn, child_conn = multiprocessing.Pipe()
-        self.loop = threading.Thread(target=EngineCoreProc(engine, child_conn).run)
+        self.proc = EngineCoreProc(engine, child_conn)
+        self.loop = threading.Thread(target=self.proc.run)
         self.loop.start()
         self.received = defaultdict(deque)  # request id -> its outputs and refusals, not yet taken
 
@@ -321,3 +324,52 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(core):
     assert isinstance(error, RuntimeError) and "could not compile" in str(error)
     assert num_tokens(core.run_to_the_end("plain")) == 20
     assert not core.engine.prompts
+
+
+def test_every_abort_that_came_in_during_a_step_is_applied_before_the_next(core):
+    """A burst of requests whose callers leave while a step runs: more adds than the pipe holds, then
+    their aborts. The pipe is read during the step, so the sender never waits for the step to end, and
+    none of the burst is ever scheduled: every command that has come in is applied before the next
+    step is planned, the aborts with the adds."""
+    release, held = threading.Event(), threading.Event()
+    step, schedule = core.engine.step, core.engine.scheduler.schedule
+    scheduled = set()
+
+    def held_step():
+        held.set()
+        assert release.wait(60)
+        return step()
+
+    def recording_schedule():
+        plan = schedule()
+        scheduled.update(plan.num_scheduled_tokens)
+        return plan
+
+    core.engine.step, core.engine.scheduler.schedule = held_step, recording_schedule
+    core.add("running", PROMPTS[0], greedy(4))
+    assert held.wait(60)
+    burst = [f"gone-{i}" for i in range(300)]  # each add is over 300 bytes pickled: 300 fill the pipe
+
+    def send_burst():
+        for request_id in burst:
+            core.add(request_id, [7] * 120, greedy(4))
+        for request_id in burst:
+            core.conn.send(("abort", request_id))
+
+    sender = threading.Thread(target=send_burst)
+    sender.start()
+    sender.join(60)
+    try:
+        assert not sender.is_alive(), "the sender waited for the step to end"
+        deadline = time.monotonic() + 60
+        while core.proc.input_queue.qsize() < 2 * len(burst):  # every command read, none applied yet
+            assert time.monotonic() < deadline, "the input thread did not read the burst"
+            time.sleep(0.01)
+    finally:
+        release.set()
+    assert num_tokens(core.run_to_the_end("running")) == 4
+    for request_id in burst:
+        [aborted] = core.run_to_the_end(request_id)
+        assert aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].token_ids == []
+    assert scheduled == {"running"}
+    assert not core.engine.has_unfinished_requests()

@@ -89,7 +89,7 @@ BODY = {"prompt": [1, 2, 3], "max_tokens": 24, "ignore_eos": True}
 
 def test_a_dead_replica_fails_its_requests_and_health(model_dir):
     engine_args = AsyncEngineArgs(model=str(model_dir), device="cpu", data_parallel_size=2, **SETTINGS)
-    logger = PrometheusStatLogger("tiny", range(2))
+    logger = PrometheusStatLogger("tiny", engine_args.create_engine_config().cache_config, range(2))
     engine = DataParallelAsyncLLM.from_engine_args(engine_args, stat_loggers=[logger])
     processes = [replica.engine._process for replica in engine._replicas]
 

@@ -24,7 +24,7 @@ BODY = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True}
 
 def test_a_dead_engine_fails_requests_and_health(tmp_path):
     engine_args = AsyncEngineArgs(model=str(make_tiny_model("llama", tmp_path)), device="cpu", max_model_len=64)
-    logger = PrometheusStatLogger("tiny")
+    logger = PrometheusStatLogger("tiny", engine_args.create_engine_config().cache_config)
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[logger])
 
     killed = []

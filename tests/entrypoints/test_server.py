@@ -1,9 +1,11 @@
 """A real ``micro-vllm serve`` process on a tiny model, driven with the official ``openai`` client:
 completions and chat, streamed and not, stop strings, usage; a client that disconnects mid-stream is
-aborted and its blocks freed; a load of concurrent streaming clients with disconnects and malformed
-requests mixed in; error statuses. Fields that other parts of the engine add (``n``, logprobs,
-penalties, logit_bias) are tested here too, and skipped until SamplingParams has them (structured
-outputs: in test_server_default_model.py, which a random model could not finish)."""
+aborted and its blocks freed, and one that leaves before its first token is never prefilled (a server
+of its own, with one slot); vLLM's metric families and what requests add to them; a load of concurrent
+streaming clients with disconnects and malformed requests mixed in; error statuses. Fields that other
+parts of the engine add (``n``, logprobs, penalties, logit_bias) are tested here too, and skipped until
+SamplingParams has them (structured outputs: in test_server_default_model.py, which a random model
+could not finish)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.server import make_tiny_chat_model, metric, serve
-from helpers.tiny_models import BOS_TOKEN_ID
+from helpers.tiny_models import BOS_TOKEN_ID, make_tiny_model
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -240,13 +243,71 @@ def test_models_tokenize_detokenize_and_metrics(server, client):
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == [BOS_TOKEN_ID, *b"user: hi\nassistant:"]
     assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
-    text = metrics(server)
-    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
-                 "vllm:inter_token_latency_seconds_count", "vllm:request_time_per_output_token_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count"):
-        metric(text, name)
-    assert metric(text, "vllm:generation_tokens_total") > 0
+
+
+# vLLM's metric families (its PrometheusStatLogger's), less those docs/serving.md lists as left out.
+METRIC_FAMILIES = {
+    "gauge": ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info"],
+    "counter": ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
+                "request_success"],
+    "histogram": ["iteration_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                  "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+                  "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                  "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+                  "request_params_max_tokens", "request_params_n", "request_max_num_generation_tokens"],
+}
+
+
+def _samples(text: str) -> tuple[dict[str, str], dict[tuple[str, str | None], float]]:
+    """Each vllm: family's type, and each sample's value by its name and finish reason (if any)."""
+    families = {f.name: f for f in text_string_to_metric_families(text)  # the parser makes each _created a gauge
+                if f.name.startswith("vllm:") and not f.name.endswith("_created")}
+    for family in families.values():
+        for sample in family.samples:  # the cache's settings are its info's labels, without the model's name
+            assert sample.labels["engine"] == "0", sample
+            assert sample.labels.get("model_name") == (None if family.name == "vllm:cache_config_info" else MODEL)
+    values = {(s.name, s.labels.get("finished_reason")): s.value for f in families.values() for s in f.samples}
+    return {name: f.type for name, f in families.items()}, values
+
+
+def test_metrics_count_what_was_sent(server, client):
+    """vLLM's metric families, each there with vLLM's labels, and what a few requests add to them."""
+    _, before = _samples(assert_idle(server))
+    prompts, max_tokens = ["Hello", "The sky is", "1, 2, 3,"], 5
+    for prompt in prompts:
+        response = complete(client, prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        assert response.usage.completion_tokens == max_tokens
+    _, alone = _samples(assert_idle(server))
+    # One at a time: a step per token, each giving one token (the first with its prompt).
+    assert alone["vllm:iteration_tokens_total_count", None] - before.get(("vllm:iteration_tokens_total_count", None),
+                                                                         0.0) == len(prompts) * max_tokens
+    [n_request] = [complete(client, "abc", max_tokens=max_tokens, n=2, extra_body={"ignore_eos": True})]
+    assert len(n_request.choices) == 2
+    types, after = _samples(assert_idle(server))
+    assert types == {f"vllm:{name}": kind for kind, names in METRIC_FAMILIES.items() for name in names}
+    assert after["vllm:cache_config_info", None] == 1
+
+    def added(name: str, reason: str | None = None) -> float:
+        return after[f"vllm:{name}", reason] - before.get((f"vllm:{name}", reason), 0.0)
+
+    num_sequences = len(prompts) + 2  # the n=2 request's two sequences count as two requests, as in vLLM
+    prompt_tokens = sum(map(len, prompts)) + 2 * len("abc")  # one token a byte
+    generated = num_sequences * max_tokens
+    assert added("request_success_total", "length") == num_sequences
+    assert added("request_success_total", "stop") == added("request_success_total", "abort") == 0
+    assert added("prompt_tokens_total") == added("request_prompt_tokens_sum") == prompt_tokens
+    assert added("generation_tokens_total") == added("request_generation_tokens_sum") == generated
+    assert added("request_params_max_tokens_sum") == num_sequences * max_tokens
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens",
+                 "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert added(f"{name}_count") == num_sequences, name
+    assert added("inter_token_latency_seconds_count") == generated - num_sequences
+    assert (added("request_params_n_count"), added("request_params_n_sum")) == (len(prompts) + 1, len(prompts) + 2)
+    assert added("request_max_num_generation_tokens_sum") == (len(prompts) + 1) * max_tokens
+    assert added("iteration_tokens_total_sum") == prompt_tokens + generated
+    assert added("prefix_cache_queries_total") >= prompt_tokens
 
 
 def test_serve_benchmark_runs_against_the_server(server, capsys):
@@ -301,3 +362,46 @@ def test_penalties_min_p_and_min_tokens_are_accepted(client):
 def test_logit_bias_forces_a_token(client):
     response = complete(client, "Hello", logit_bias={str(ord("z")): 100}, max_tokens=4, extra_body={"ignore_eos": True})
     assert response.choices[0].text == "zzzz"
+
+
+def test_clients_that_leave_before_their_first_token_are_never_prefilled(tmp_path):
+    """A request holds the only slot (``--max-num-seqs 1``) while others with long prompts wait behind
+    it; their clients leave before any token. The server notices without a first token and the engine
+    aborts them while they wait: once the slot is free, none of their prompts is prefilled (a prompt
+    counts in vllm:prompt_tokens at its first token), and a request after them runs at once."""
+    model = make_tiny_model("llama", tmp_path, max_position_embeddings=4096)
+    with serve(str(model), "--max-model-len", "4096", "--max-num-seqs", "1", "--max-num-batched-tokens", "256",
+               "--block-size", "16") as url, httpx.Client(base_url=url, timeout=60) as http:
+        holding = {"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}  # runs for seconds
+        with http.stream("POST", "/v1/completions", json=holding) as response:
+            lines = response.iter_lines()  # kept: a closed iterator closes the response
+            assert next(line for line in lines if line.startswith("data:"))
+            leaving = [_send_raw(url, {"prompt": "x" * 200, "max_tokens": 5, "stream": stream}) for stream in
+                       (True, False, True, False)]
+            _wait_for(url, "vllm:num_requests_waiting", len(leaving))
+            for connection in leaving:
+                connection.close()
+            _wait_for(url, "vllm:num_requests_waiting", 0)
+            assert metric(metrics(url), "vllm:num_requests_running") == 1, "the holding request ended first"
+        assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3}).status_code == 200
+        text = assert_idle(url)
+    assert metric(text, "vllm:prompt_tokens_total") == len("Hi") + len("Hello")  # one token a byte
+    assert metric(text, "vllm:request_success_total", finished_reason="abort") == len(leaving) + 1
+    assert metric(text, "vllm:request_queue_time_seconds_count") == len(leaving) + 2
+
+
+def _send_raw(url: str, body: dict) -> socket.socket:
+    """A connection that has sent ``body`` to /v1/completions and reads nothing."""
+    payload = json.dumps(body).encode()
+    address = httpx.URL(url)
+    connection = socket.create_connection((address.host, address.port))
+    connection.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return connection
+
+
+def _wait_for(url: str, name: str, value: float, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while metric(metrics(url), name) != value:
+        assert time.monotonic() < end, f"{name} never reached {value}"
+        time.sleep(0.05)

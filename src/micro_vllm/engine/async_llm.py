@@ -22,10 +22,9 @@ import dataclasses
 import multiprocessing
 import signal
 import threading
-import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from micro_vllm.config import LLMConfig
@@ -34,7 +33,7 @@ from micro_vllm.engine.core_proc import run_engine_core
 from micro_vllm.engine.engine import PromptType
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.engine.request_output import RequestOutput
-from micro_vllm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
+from micro_vllm.metrics.stats import IterationStats, SchedulerStats
 from micro_vllm.model_loader.checkpoint import resolve_model_path
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
 from micro_vllm.tokenizer import load_tokenizer
@@ -79,7 +78,6 @@ class _RequestStream:
 
     loop: asyncio.AbstractEventLoop
     collector: RequestOutputCollector
-    stats: RequestStateStats = field(default_factory=lambda: RequestStateStats(time.monotonic()))
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
 
@@ -89,9 +87,9 @@ class AsyncLLM:
 
     Building it starts the engine's process and waits until the model is loaded (an engine that
     cannot be built raises its error here). ``stat_loggers`` get ``record(scheduler_stats,
-    iteration_stats)`` from the reader thread after every step, and a snapshot whenever the engine
-    falls idle or shuts down. It runs one engine: with ``data_parallel_size`` above 1, replica
-    ``data_parallel_rank`` (``DataParallelAsyncLLM`` runs them all)."""
+    iteration_stats)`` from the reader thread after every step (both made by the engine's process),
+    and a snapshot whenever the engine falls idle or shuts down. It runs one engine: with
+    ``data_parallel_size`` above 1, replica ``data_parallel_rank`` (``DataParallelAsyncLLM`` runs them all)."""
 
     def __init__(self, config: LLMConfig, stat_loggers: Iterable = ()) -> None:
         context = multiprocessing.get_context("spawn")  # a forked child would inherit this process' threads and CUDA state
@@ -229,7 +227,7 @@ class AsyncLLM:
                 message = self._conn.recv()
                 kind = message[0]
                 if kind == "outputs":
-                    self._publish(message[1], message[2])
+                    self._publish(*message[1:])
                 elif kind == "refused":
                     with self._lock:
                         stream = self._streams.pop(message[1])
@@ -245,10 +243,9 @@ class AsyncLLM:
             error = failure
         self._die(error)
 
-    def _publish(self, outputs: list[RequestOutput], scheduler_stats: SchedulerStats | None) -> None:
+    def _publish(self, outputs: list[RequestOutput], scheduler_stats: SchedulerStats | None,
+                 iteration_stats: IterationStats | None) -> None:
         """Hand a step's outputs to their callers, one wake-up per event loop, and log the step."""
-        now = time.monotonic()
-        iteration = IterationStats()
         deliveries = defaultdict(list)
         with self._lock:
             streams = [self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
@@ -260,14 +257,10 @@ class AsyncLLM:
                 output.prompt, output.prompt_token_ids = stream.prompt, stream.prompt_token_ids
             else:
                 stream.prompt, stream.prompt_token_ids = output.prompt, output.prompt_token_ids
-            iteration.update_from_output(
-                stream.stats, len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs),
-                output.outputs[0].finish_reason if output.finished else None, now,
-            )
             deliveries[stream.loop].append((stream.collector, output))
         for loop, items in deliveries.items():
             _deliver_soon(loop, items)
-        self._log(scheduler_stats, iteration)
+        self._log(scheduler_stats, iteration_stats)
 
     def _log(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
         for logger in self.stat_loggers:

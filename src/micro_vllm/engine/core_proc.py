@@ -1,7 +1,12 @@
 """The engine's own process for ``AsyncLLM`` (vLLM's ``EngineCoreProc``): the step loop, fed over a pipe.
 
 It owns an ``LLMEngine`` and runs it as the offline loop does: between steps it applies the requests and
-aborts that have come in, steps while anything is unfinished, and blocks on the pipe when idle.
+aborts that have come in, steps while anything is unfinished, and blocks when idle. An input thread
+(vLLM's engine core has one too) reads the pipe all the time into a queue, and the loop applies
+everything in the queue before it plans each step. Read only between steps, the pipe would fill up
+during a long step (seconds on a CPU): the server's event loop would wait in its send, seeing no
+client leave meanwhile, and a burst of adds would come in a few per step, each scheduled, and so
+prefilled, before the aborts behind it.
 
 A structured-output request is checked at once (``LLMEngine.make_request``: a request the engine refuses
 fails its caller before anything runs), then waits while its grammar compiles on a thread of its own
@@ -14,10 +19,12 @@ still compiling ends it at once; a grammar that fails to compile fails only its 
 What it sends back, in order, one message each:
 
 - ``("ready", max_model_len, vocab_size)`` once the engine is built;
-- ``("outputs", outputs, scheduler_stats)`` for each step that made outputs (``scheduler_stats`` None
-  for an abort's output); a request's prompt and prompt token ids travel with its first output only;
+- ``("outputs", outputs, scheduler_stats, iteration_stats)`` for each step, and for each abort that
+  made an output (``scheduler_stats`` None then); a request's prompt and prompt token ids travel with
+  its first output only. A request aborted while its grammar compiles never reached the engine, and
+  its ``iteration_stats`` count nothing;
 - ``("refused", request_id, error)`` for a request the engine refuses;
-- ``("stats", scheduler_stats)`` whenever the engine falls idle, and at shutdown;
+- ``("stats", scheduler_stats)`` at start, whenever the engine falls idle, and at shutdown;
 - ``("dead", error)`` last, when the loop stops: shutdown, an error in a step, or an engine that
   could not be built.
 """
@@ -25,13 +32,13 @@ What it sends back, in order, one message each:
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import pickle
+import queue
 import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from micro_vllm.config import LLMConfig
@@ -79,16 +86,20 @@ class EngineCoreProc:
         self.engine = engine
         self.conn = conn
         self.announced: set[str] = set()  # requests whose prompt has gone out with an output
-        self.grammars = PendingGrammars()
+        # The commands from the pipe, and ("compiled",) whenever a grammar has compiled, in order.
+        self.input_queue: queue.Queue[tuple] = queue.Queue()
+        self.grammars = PendingGrammars(lambda: self.input_queue.put(("compiled",)))
+        threading.Thread(target=self._read_commands, name="micro-vllm-inputs", daemon=True).start()
 
     def run(self) -> None:
         engine = self.engine
         try:
+            self.conn.send(("stats", engine.scheduler.make_stats()))  # the loggers learn the KV cache's size
             while self._handle_inputs(block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    if outputs:
-                        self.conn.send(("outputs", self._compact(outputs), engine.last_step_stats))
+                    self.conn.send(("outputs", self._compact(outputs), engine.last_step_stats,
+                                    engine.take_iteration_stats()))
                 if not engine.has_unfinished_requests():
                     self.conn.send(("stats", engine.scheduler.make_stats()))
             self.conn.send(("stats", engine.scheduler.make_stats()))
@@ -101,29 +112,48 @@ class EngineCoreProc:
         except OSError:
             pass  # the other side is gone: nobody to tell
 
-    def _handle_inputs(self, block: bool) -> bool:
-        """Add the requests whose grammar has compiled and apply the commands that have come in, waiting
-        for either when ``block``; False on shutdown (asked for, or the other end closed)."""
-        ready = wait([self.conn, self.grammars.ready], timeout=None if block else 0)
-        if self.grammars.ready in ready:
-            self._add_compiled()
-        return self._apply_commands() if self.conn in ready else True
-
-    def _apply_commands(self) -> bool:
-        """Apply every command that has come in (at least one has); False on shutdown."""
+    def _read_commands(self) -> None:
+        """The input thread: each command into the queue as it comes, until shutdown; the other end
+        closing is a shutdown, and a command that cannot be read stops the loop with its error."""
         try:
             while True:
                 command = self.conn.recv()
+                self.input_queue.put(command)
                 if command[0] == "shutdown":
-                    return False
-                if command[0] == "abort":
-                    self._abort(command[1])
-                else:
-                    self._add(*command[1:])
-                if not self.conn.poll():
-                    return True
+                    return
         except EOFError:
+            self.input_queue.put(("shutdown",))
+        except BaseException as error:  # noqa: BLE001 - the loop raises it
+            self.input_queue.put(("unreadable", error))
+
+    def _handle_inputs(self, block: bool) -> bool:
+        """Apply every command in the queue, and add the requests whose grammar has compiled, waiting
+        for one when ``block``; False on shutdown (asked for, or the other end closed)."""
+        try:
+            command = self.input_queue.get(block=block)
+        except queue.Empty:
+            return True
+        while self._apply(command):
+            try:
+                command = self.input_queue.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _apply(self, command: tuple) -> bool:
+        """Apply one command; False on shutdown."""
+        kind = command[0]
+        if kind == "shutdown":
             return False
+        if kind == "unreadable":
+            raise command[1]
+        if kind == "compiled":
+            self._add_compiled()
+        elif kind == "abort":
+            self._abort(command[1])
+        else:
+            self._add(*command[1:])
+        return True
 
     def _add(self, request_id: str, prompt, params) -> None:
         """Check and add a request; one with a constraint waits for its grammar to compile."""
@@ -168,7 +198,7 @@ class EngineCoreProc:
         else:
             outputs = self.engine.abort_request(request_id)
         if outputs:
-            self.conn.send(("outputs", self._compact(outputs), None))
+            self.conn.send(("outputs", self._compact(outputs), None, self.engine.take_iteration_stats()))
 
     def _refuse(self, request_id: str, error: BaseException) -> None:
         self.conn.send(("refused", request_id, _picklable(error)))
@@ -186,27 +216,22 @@ class EngineCoreProc:
 
 
 class PendingGrammars:
-    """Requests whose grammar compiles on a thread beside the step loop; ``ready`` turns readable
-    whenever a compile has finished. One compile at a time, each on at most half the CPUs (the
-    manager's compiler), so that compiling never takes more than half the machine from the steps."""
+    """Requests whose grammar compiles on a thread beside the step loop; ``wake`` is called whenever
+    a compile has finished. One compile at a time, each on at most half the CPUs (the manager's
+    compiler), so that compiling never takes more than half the machine from the steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Callable[[], None]) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="micro-vllm-grammar")
-        self.ready, self._notify = multiprocessing.Pipe(duplex=False)
-        # The compile thread and the loop (a compile already done when its callback is added, a cancelled
-        # one) share the pipe's sending end.
-        self._notify_lock = threading.Lock()
+        self.wake = wake
         self.requests: dict[str, tuple[Request, Future]] = {}
 
     def submit(self, request: Request, compile_grammar: Callable[[], StructuredOutputGrammar]) -> None:
         compiled = self.executor.submit(compile_grammar)
         self.requests[request.request_id] = (request, compiled)
-        compiled.add_done_callback(self._wake)
+        compiled.add_done_callback(lambda _: self.wake())
 
     def take_finished(self) -> list[tuple[Request, Future]]:
         """The requests whose compile has finished (its future holds the grammar or the error)."""
-        while self.ready.poll():
-            self.ready.recv_bytes()
         finished = [(request, compiled) for request, compiled in self.requests.values() if compiled.done()]
         for request, _ in finished:
             del self.requests[request.request_id]
@@ -221,10 +246,6 @@ class PendingGrammars:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-    def _wake(self, _: Future) -> None:
-        with self._notify_lock:
-            self._notify.send_bytes(b"")
 
 
 def _aborted_output(request: Request, prompt: str | None) -> RequestOutput:

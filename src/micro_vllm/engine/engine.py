@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,7 +35,7 @@ from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.multiproc_executor import MultiprocExecutor
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.layers.rotary import max_rope_position
-from micro_vllm.metrics.stats import SchedulerStats
+from micro_vllm.metrics.stats import IterationStats, SchedulerStats
 from micro_vllm.model_loader.checkpoint import default_sampling_overrides, load_hf_config, resolve_model_path
 from micro_vllm.models.registry import get_model_class
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
@@ -53,10 +54,14 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 class LLMEngine:
     """vLLM's ``LLMEngine``: ``add_request(request_id, prompt, params)``, then ``step()`` while
-    ``has_unfinished_requests()``, each step returning the ``RequestOutput``s it made."""
+    ``has_unfinished_requests()``, each step returning the ``RequestOutput``s it made.
 
-    def __init__(self, config: LLMConfig) -> None:
+    With ``log_stats`` (vLLM's setting) the steps and aborts also time each request's tokens and
+    phases into an ``IterationStats`` that ``take_iteration_stats()`` hands out."""
+
+    def __init__(self, config: LLMConfig, log_stats: bool = True) -> None:
         self.config = config
+        self.iteration_stats: IterationStats | None = IterationStats() if log_stats else None
         trace_config = resolve_trace(config.trace)  # a bad trace setting fails before any loading
         model_config = config.model_config
         path = resolve_model_path(model_config.model)
@@ -109,7 +114,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         """vLLM's way to build the engine: from flat settings (``EngineArgs``)."""
-        return cls(engine_args.create_engine_config())
+        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -164,8 +169,9 @@ class LLMEngine:
             if child.grammar is None and constraint is not None:
                 child.grammar = self.get_structured_output_manager().grammar_init(constraint)
         prompt = self.prompts.pop(request.request_id, None)
+        now = time.monotonic()
         for index, child in enumerate(requests):
-            self.output_processor.add_request(child, prompt, parent, index)
+            self.output_processor.add_request(child, prompt, parent, index, queued_ts=now)
             self.scheduler.add_request(child)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -182,7 +188,8 @@ class LLMEngine:
                 continue
             if self.tracer is not None:
                 self.tracer.record_abort(request_id, self.scheduler.make_stats())
-            outputs += self.output_processor.gather(self.output_processor.finish(aborted))
+            finished = self.output_processor.finish(aborted, self.iteration_stats, time.monotonic())
+            outputs += self.output_processor.gather(finished, self.iteration_stats)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -197,6 +204,13 @@ class LLMEngine:
         """The snapshot the scheduler made with the last plan: the queues and KV cache while that
         step's blocks were held, its prefill and decode tokens, prefix-cache hits, preemptions."""
         return self.scheduler.stats
+
+    def take_iteration_stats(self) -> IterationStats | None:
+        """What the steps and aborts since the last call gave out (None without ``log_stats``)."""
+        stats = self.iteration_stats
+        if stats is not None:
+            self.iteration_stats = IterationStats()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -279,6 +293,8 @@ class LLMEngine:
         return self.structured_output_manager
 
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        if self.iteration_stats is not None and plan.scheduled_new_reqs:
+            self.output_processor.record_scheduled((new.req_id for new in plan.scheduled_new_reqs), time.monotonic())
         self.in_flight.append(self.executor.execute_model(plan))
         # Async: the step just launched stays in flight unless it is empty or nothing is left to wait
         # for, or it samples under a grammar: the next plan's bitmask needs this step's tokens accepted.
@@ -297,7 +313,11 @@ class LLMEngine:
             self.output_processor.update_logprobs(runner_output.logprobs, runner_output.prompt_logprobs_dict)
         outputs, stopped = self.output_processor.process_step(runner_output.req_ids)
         finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return self.output_processor.gather(outputs + self.output_processor.finish(finished))
+        now = time.monotonic()
+        if self.iteration_stats is not None:
+            self.output_processor.update_stats(runner_output.req_ids, self.iteration_stats, now)
+        outputs += self.output_processor.finish(finished, self.iteration_stats, now)
+        return self.output_processor.gather(outputs, self.iteration_stats)
 
     def _traced_step(self, tracer: Tracer) -> list[RequestOutput]:
         started = tracer.clock()

@@ -9,6 +9,10 @@ logprobs or prompt logprobs has a ``LogprobsProcessor`` fed each step's rows (``
 
 A request with ``n > 1`` is a ``ParentRequest`` (``parallel_sampling.py``) whose children each have a
 state here; ``gather`` turns a step's outputs of its children into one output of the parent.
+
+Given an ``IterationStats``, each state's ``RequestStateStats`` times the request's tokens as the
+steps give them (``update_stats``), and ``finish`` and ``gather`` add each finished request to it, as
+vLLM's output processor does.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from micro_vllm.engine.detokenizer import IncrementalDetokenizer, decode_output
 from micro_vllm.engine.logprobs import LogprobsProcessor
 from micro_vllm.engine.parallel_sampling import ParentRequest
 from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
+from micro_vllm.metrics.stats import IterationStats, RequestStateStats
 from micro_vllm.outputs import LogprobsLists
 from micro_vllm.sampling.params import RequestOutputKind
 
@@ -31,9 +36,10 @@ class RequestState:
     among its parent's (0 without a parent)."""
 
     def __init__(self, request: Request, prompt: str | None, tokenizer, token_texts: dict[int, str],
-                 index: int = 0) -> None:
+                 index: int = 0, queued_ts: float = 0.0) -> None:
         params = request.sampling_params
         self.request = request
+        self.stats = RequestStateStats(request.arrival_time, queued_ts)
         self.index = index
         self.prompt = prompt
         self.tokenizer = tokenizer
@@ -109,9 +115,10 @@ class OutputProcessor:
         self.parent_of: dict[str, ParentRequest] = {}  # by the child's id
 
     def add_request(self, request: Request, prompt: str | None, parent_req: ParentRequest | None = None,
-                    index: int = 0) -> None:
-        """Track ``request``; a child of ``parent_req`` makes sequence ``index`` of its parent's outputs."""
-        state = RequestState(request, prompt, self.tokenizer, self.token_texts, index)
+                    index: int = 0, queued_ts: float = 0.0) -> None:
+        """Track ``request``, queued at ``queued_ts``; a child of ``parent_req`` makes sequence ``index``
+        of its parent's outputs."""
+        state = RequestState(request, prompt, self.tokenizer, self.token_texts, index, queued_ts)
         self.states[request.request_id] = state
         if state.detokenizer is not None:
             self.detokenized[request.request_id] = state
@@ -151,18 +158,44 @@ class OutputProcessor:
                 outputs.append(state.make_output())
         return outputs, stopped
 
-    def finish(self, requests: Iterable[Request]) -> list[RequestOutput]:
-        """The final outputs of finished requests, whose states are then dropped."""
+    def record_scheduled(self, req_ids: Iterable[str], now: float) -> None:
+        """The requests a plan starts (or resumes after preemption): the first time counts."""
+        for req_id in req_ids:
+            stats = self.states[req_id].stats
+            if stats.scheduled_ts == 0.0:
+                stats.scheduled_ts = now
+
+    def update_stats(self, req_ids: Iterable[str], iteration_stats: IterationStats, now: float) -> None:
+        """Time the tokens the step that ended at ``now`` gave each of ``req_ids`` (a prompt chunk
+        gives none)."""
+        for req_id in req_ids:
+            state = self.states.get(req_id)
+            if state is None:
+                continue  # ended since the step was planned
+            num_new_tokens = state.request.num_output_tokens - state.stats.num_generation_tokens
+            if num_new_tokens > 0:
+                iteration_stats.update_from_output(state.stats, state.request.num_prompt_tokens, num_new_tokens, now)
+
+    def finish(self, requests: Iterable[Request], iteration_stats: IterationStats | None,
+               now: float) -> list[RequestOutput]:
+        """The final outputs of finished requests, whose states are then dropped; each finished
+        request is added to ``iteration_stats`` (unless None), as finished at ``now``."""
         outputs = []
         for request in requests:
             state = self.states.pop(request.request_id)
             self.detokenized.pop(request.request_id, None)
             outputs.append(state.make_output())
+            if iteration_stats is not None:
+                iteration_stats.update_from_finished(state.stats, request.finish_reason, request.num_prompt_tokens,
+                                                     request.sampling_params.max_tokens, now)
+                if request.request_id not in self.parent_of:
+                    iteration_stats.update_from_finished_user_request(1, state.stats.num_generation_tokens)
         return outputs
 
-    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def gather(self, outputs: list[RequestOutput], iteration_stats: IterationStats | None) -> list[RequestOutput]:
         """One output per request the user added: the outputs of a parent's children, all of one
-        step, become the parent's one output (if its output kind gives one now)."""
+        step, become the parent's one output (if its output kind gives one now). A parent whose
+        children have all finished is added to ``iteration_stats`` (unless None)."""
         if not self.parent_of:
             return outputs
         gathered, by_parent = [], defaultdict(list)
@@ -180,6 +213,9 @@ class OutputProcessor:
                 del self.parent_requests[parent.request_id]
                 for child in parent.children:
                     del self.parent_of[child.request_id]
+                if iteration_stats is not None:
+                    iteration_stats.update_from_finished_user_request(
+                        len(parent.children), max(child.num_output_tokens for child in parent.children))
         return gathered
 
     def clear(self) -> None:

@@ -250,7 +250,8 @@ def run_server(config, served_model_names: list[str], host: str, port: int, api_
     if tool_parser is not None:
         ToolParserManager.get_tool_parser(tool_parser)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    stat_logger = PrometheusStatLogger(served_model_names[0], range(config.parallel_config.data_parallel_size))
+    stat_logger = PrometheusStatLogger(served_model_names[0], config.cache_config,
+                                       range(config.parallel_config.data_parallel_size))
     engine = build_async_llm(config, stat_loggers=[stat_logger])
     app = build_app(engine, served_model_names, config.model_config.model, stat_logger, api_key,
                     max_request_body_bytes, enable_log_requests, max_log_len, tool_parser)
