@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import signal
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -111,8 +113,10 @@ class LLM:
             raise RuntimeError("generate() was called from inside generate() (a callback); call it once that returns")
         with self._generate_lock:
             engine = self._engine()
-            self._generating_thread = threading.get_ident()
             try:
+                self._generating_thread = threading.get_ident()
+                if engine.has_unfinished_requests() or engine.in_flight:
+                    engine.abort_all_requests()  # a call's whose rollback a second Ctrl-C kept from starting
                 return self._generate(engine, prompts, sampling_params, use_tqdm)
             except BaseException:
                 engine.abort_all_requests()  # this call's requests are all the engine holds
@@ -138,9 +142,13 @@ class LLM:
         with self._abort_lock:
             self._in_flight = set(order)
         results: list[RequestOutput | None] = [None] * len(requests)
-        prefill_tokens = decode_tokens = 0
-        start = time.perf_counter()
-        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        bar = None
+        try:
+            if use_tqdm:
+                with _sigint_held_back():
+                    bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True)
+            prefill_tokens = decode_tokens = 0
+            start = time.perf_counter()
             while engine.has_unfinished_requests():
                 if self._shutdown_requested:
                     raise RuntimeError("LLM.shutdown() was called while generate() ran; its requests were aborted")
@@ -155,12 +163,20 @@ class LLM:
                     self.stat_logger.record(scheduler_stats, _finished_stats(outputs, time.monotonic() - arrival_time))
                 for output in outputs:
                     results[order[output.request_id]] = output
-                    bar.update(1)
                 with self._abort_lock:
                     self._in_flight.difference_update(out.request_id for out in outputs)
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, decode {decode_tokens / elapsed:.0f} tok/s",
-                                    refresh=False)
+                if bar is not None:
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
+                                        f"decode {decode_tokens / elapsed:.0f} tok/s", refresh=False)
+                    if outputs:
+                        with _sigint_held_back():
+                            bar.update(len(outputs))
+        finally:
+            if bar is not None:
+                with _sigint_held_back():
+                    bar.close()
+                    bar = None  # tqdm's __del__ runs now, where it cannot swallow a Ctrl-C
         if self.stat_logger is not None:  # the gauges as the engine is left: idle
             self.stat_logger.record(engine.scheduler.make_stats(), None)
         return results
@@ -282,6 +298,28 @@ def _finished_stats(outputs: list[RequestOutput], e2e_latency: float) -> Iterati
             stats.update_from_finished(completion.finish_reason, len(output.prompt_token_ids),
                                        len(completion.token_ids), e2e_latency)
     return stats
+
+
+@contextmanager
+def _sigint_held_back() -> Iterator[None]:
+    """Run the block with a Ctrl-C held back, then raise it: for tqdm's calls. tqdm takes its global
+    lock without a ``try`` and releases it in Python, so an interrupt inside would leave the lock held
+    and every later progress bar of the process (of any thread) waiting for it; and a
+    KeyboardInterrupt raised in its ``__del__`` is lost (Python ignores exceptions in finalizers).
+    Python handles signals in the main thread only; elsewhere, or under a handler that was not set
+    from Python, this changes nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    received = []
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        signal.raise_signal(signal.SIGINT)  # to the program's own handler: a KeyboardInterrupt by default
 
 
 _PROMPTS = "a prompt (a string, a list of token ids, or a dict) or a list of prompts"
