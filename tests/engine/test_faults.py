@@ -8,11 +8,14 @@ Tiny random models on CPU (fp32, sdpa), prefix caching on and a cache small enou
 from __future__ import annotations
 
 import random
+import signal
+import threading
 import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tqdm import std as tqdm_std
 
 from helpers.core_helpers import FakeRunner, check_all_free, make_request, make_scheduler, token_ids
 from micro_vllm import LLM
@@ -166,3 +169,62 @@ def test_an_interrupt_before_the_next_call_runs_leaves_nothing_behind(model_dir,
     monkeypatch.undo()
     check_nothing_left(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+
+
+def _tqdm_lock_is_free() -> bool:
+    """Whether another thread can take tqdm's process-wide lock now."""
+    free = []
+
+    def probe():
+        locks = tqdm_std.tqdm.get_lock().locks
+        taken = [lock for lock in locks if lock.acquire(False)]
+        for lock in taken:
+            lock.release()
+        free.append(len(taken) == len(locks))
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return free[0]
+
+
+@pytest.mark.parametrize("where", ["acquire", "__del__"])
+def test_a_ctrl_c_while_tqdm_runs_comes_out_after_it(model_dir, expected, monkeypatch, where):
+    """tqdm takes its process-wide lock without a ``try`` and a KeyboardInterrupt in its ``__del__`` is
+    lost, so generate holds a Ctrl-C back while tqdm runs: one that comes right after tqdm took its
+    lock, or while the bar is dropped, ends the call with a KeyboardInterrupt and leaves the lock free."""
+    llm = make_llm(model_dir)
+    owner = tqdm_std.TqdmDefaultWriteLock if where == "acquire" else tqdm_std.tqdm
+    original = getattr(owner, where)
+    sent = []
+
+    def then_ctrl_c(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(owner, where, then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS)
+    monkeypatch.undo()
+    assert sent and _tqdm_lock_is_free()
+    check_nothing_left(llm)
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("second", ["abort_all_requests", "reset"])
+def test_a_second_interrupt_in_the_rollback_is_finished_by_the_next_call(model_dir, expected, monkeypatch, second):
+    """A Ctrl-C between two steps, and a second one as the rollback of the first starts (before it has
+    done anything) or in the middle of it (as the scheduler resets): the rollback is finished when the
+    engine is next used, and the next call gives a fresh engine's tokens."""
+    llm = make_llm(model_dir)
+    inject(monkeypatch, llm, "_apply_aborts", at_call=2, error=KeyboardInterrupt)  # two steps have run
+    inject(monkeypatch, llm.engine if second == "abort_all_requests" else llm.engine.scheduler, second,
+           at_call=0, error=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt, match=second):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+    check_all_free(llm.engine.scheduler)
