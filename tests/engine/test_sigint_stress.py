@@ -79,12 +79,14 @@ def test_thousands_of_sigints_in_every_phase_of_generate(model_dir, tmp_path):  
     phases = Counter()
     start = time.monotonic()
     try:
-        for _ in range(NUM_INTERRUPTS):
+        for sent in range(1, NUM_INTERRUPTS + 1):
             # Half of the delays spread evenly over a call, half evenly over the decades from 10 us
             # to a call: the short phases at the start of a call get their share of interrupts too.
             call = child.call_seconds
             time.sleep(rng.uniform(0, 1.2 * call) if rng.random() < 0.5 else call * 10 ** rng.uniform(-4, 0))
             phases[phase_of(child.interrupt())] += 1
+            if sent % 250 == 0:  # progress, for a long run (with -s)
+                print(f"\n{sent} SIGINTs in {time.monotonic() - start:.0f} s: {dict(phases.most_common())}", flush=True)
         result = child.result()
     finally:
         child.close()
