@@ -5,11 +5,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
-import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -22,6 +20,7 @@ from micro_vllm.metrics.loggers import PrometheusStatLogger
 from micro_vllm.metrics.reader import Metric, get_metrics_snapshot
 from micro_vllm.metrics.stats import IterationStats
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
+from micro_vllm.utils import sigint_held_back
 from micro_vllm.validation import reject, short_repr
 
 
@@ -145,7 +144,10 @@ class LLM:
         bar = None
         try:
             if use_tqdm:
-                with _sigint_held_back():
+                # tqdm takes its process-wide lock in Python without a try (a Ctrl-C inside would leave
+                # it held, and every later bar waiting for it), and a KeyboardInterrupt raised in its
+                # __del__ is lost (Python ignores exceptions in finalizers): its calls hold Ctrl-C back.
+                with sigint_held_back():
                     bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True)
             prefill_tokens = decode_tokens = 0
             start = time.perf_counter()
@@ -170,11 +172,11 @@ class LLM:
                     bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
                                         f"decode {decode_tokens / elapsed:.0f} tok/s", refresh=False)
                     if outputs:
-                        with _sigint_held_back():
+                        with sigint_held_back():
                             bar.update(len(outputs))
         finally:
             if bar is not None:
-                with _sigint_held_back():
+                with sigint_held_back():
                     bar.close()
                     bar = None  # tqdm's __del__ runs now, where it cannot swallow a Ctrl-C
         if self.stat_logger is not None:  # the gauges as the engine is left: idle
@@ -298,28 +300,6 @@ def _finished_stats(outputs: list[RequestOutput], e2e_latency: float) -> Iterati
             stats.update_from_finished(completion.finish_reason, len(output.prompt_token_ids),
                                        len(completion.token_ids), e2e_latency)
     return stats
-
-
-@contextmanager
-def _sigint_held_back() -> Iterator[None]:
-    """Run the block with a Ctrl-C held back, then raise it: for tqdm's calls. tqdm takes its global
-    lock without a ``try`` and releases it in Python, so an interrupt inside would leave the lock held
-    and every later progress bar of the process (of any thread) waiting for it; and a
-    KeyboardInterrupt raised in its ``__del__`` is lost (Python ignores exceptions in finalizers).
-    Python handles signals in the main thread only; elsewhere, or under a handler that was not set
-    from Python, this changes nothing."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(previous):
-        yield
-        return
-    received = []
-    try:
-        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        signal.raise_signal(signal.SIGINT)  # to the program's own handler: a KeyboardInterrupt by default
 
 
 _PROMPTS = "a prompt (a string, a list of token ids, or a dict) or a list of prompts"
