@@ -229,7 +229,8 @@ class SigintChild:
                  "sigint_child(*sys.argv[1:])", str(model_dir), workload, str(num_interrupts)],
                 stdout=subprocess.PIPE, stderr=stderr, bufsize=0, env=child_env(),
             )
-        kind, _, seconds = self.read_line().partition(" ")
+        # Start-up builds two engines, which on a loaded machine takes minutes.
+        kind, _, seconds = self.read_line(timeout=5 * timeout).partition(" ")
         assert kind == "ready", kind
         self.call_seconds = float(seconds)  # how long one call of the workload takes
 
@@ -245,12 +246,13 @@ class SigintChild:
         assert self.process.wait(timeout=self.timeout) == 0
         return result
 
-    def read_line(self) -> str:
-        if not select.select([self.process.stdout], [], [], self.timeout)[0]:
+    def read_line(self, timeout: float | None = None) -> str:
+        timeout = timeout or self.timeout
+        if not select.select([self.process.stdout], [], [], timeout)[0]:
             self.process.send_signal(signal.SIGUSR1)  # faulthandler writes the stacks at once
             time.sleep(2)
             self.close()
-            pytest.fail(f"the child did not answer within {self.timeout} s; its threads and stderr:\n{self._stderr()}")
+            pytest.fail(f"the child did not answer within {timeout} s; its threads and stderr:\n{self._stderr()}")
         line = self.process.stdout.readline().decode().strip()
         if not line:
             self.close()
