@@ -115,7 +115,7 @@ class LLM:
             try:
                 self._generating_thread = threading.get_ident()
                 if engine.has_unfinished_requests() or engine.in_flight:
-                    engine.abort_all_requests()  # a call's whose rollback a second Ctrl-C kept from starting
+                    engine.abort_all_requests()  # left by a call whose rollback a second Ctrl-C kept from starting
                 return self._generate(engine, prompts, sampling_params, use_tqdm)
             except BaseException:
                 engine.abort_all_requests()  # this call's requests are all the engine holds
