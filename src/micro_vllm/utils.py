@@ -1,9 +1,12 @@
-"""Where vLLM users import ``FlexibleArgumentParser`` from (``vllm.utils``); and ``sigint_held_back``,
-for the few calls a Ctrl-C must not split."""
+"""Where vLLM users import ``FlexibleArgumentParser`` from (``vllm.utils``); and two helpers for
+signals and processes: ``sigint_held_back``, for the few calls a Ctrl-C must not split, and
+``exit_with_parent``, for a process that must not outlive the one that started it."""
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -48,3 +51,18 @@ def sigint_held_back() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
     if received:
         signal.raise_signal(signal.SIGINT)  # to the program's own handler: a KeyboardInterrupt by default
+
+
+def exit_with_parent() -> None:
+    """End this process (at once, whatever its main thread is doing) as soon as the process that
+    started it through ``multiprocessing`` is gone; nothing in a process that was not started so.
+    A daemon thread waits for that."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def wait_for_parent() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=wait_for_parent, name="micro-vllm-parent-watch", daemon=True).start()

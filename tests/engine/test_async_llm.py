@@ -1,7 +1,8 @@
 """AsyncLLM on a tiny model: streamed deltas add up to the offline output, a cancelled caller's
 request is aborted and its blocks freed, a refused request fails only its caller, a request that
 cannot reach the engine is forgotten, and an engine whose process dies fails every caller and the
-health check, saying how the process ended.
+health check, saying how the process ended. No shutdown waits forever: a process that does not stop
+is killed, and one whose parent is gone ends.
 
 Then the engine process's loop (``EngineCoreProc``) driven over a pipe in this process, its grammar
 compiles held until the test lets them go: the other requests step meanwhile, an abort ends a request
@@ -57,7 +58,8 @@ def start_engine(model):
 
 @pytest.fixture(scope="module")
 def llm(model):
-    """One engine process for the module (starting one takes seconds); the test that kills it has its own."""
+    """One engine process for the module (starting one takes seconds), shared by the tests in file order,
+    the last of which stops it; the test that kills it has its own."""
     engine = start_engine(model)
     yield engine
     engine.shutdown()
@@ -192,6 +194,17 @@ def test_a_request_that_cannot_reach_the_engine_is_forgotten(llm):
     assert not llm._streams
 
 
+def test_shutdown_kills_an_engine_process_that_does_not_stop(llm, monkeypatch):
+    """AsyncLLM.shutdown never waits forever: an engine process that does not act on the request
+    (stopped here, as one stuck in a step would be) is killed once the timeout has passed. The last
+    test of the module's engine: it leaves it shut down."""
+    monkeypatch.setattr(async_llm, "SHUTDOWN_TIMEOUT_S", 1)
+    os.kill(llm._process.pid, signal.SIGSTOP)
+    llm.shutdown()
+    assert llm._process.exitcode == -signal.SIGKILL
+    assert not llm._reader.is_alive()  # the pipe closed with the process
+
+
 def test_a_dead_engine_fails_every_caller_and_the_health_check(model):
     """The engine's process dies (killed) while requests stream: each caller gets EngineDeadError."""
     llm = start_engine(model)
@@ -215,17 +228,6 @@ def test_a_dead_engine_fails_every_caller_and_the_health_check(model):
     with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
         llm.check_health()
     llm.shutdown()
-
-
-def test_shutdown_kills_an_engine_process_that_does_not_stop(model, monkeypatch):
-    """AsyncLLM.shutdown never waits forever: an engine process that does not act on the request
-    (stopped here, as one stuck in a step would be) is killed once the timeout has passed."""
-    llm = start_engine(model)
-    monkeypatch.setattr(async_llm, "SHUTDOWN_TIMEOUT_S", 1)
-    os.kill(llm._process.pid, signal.SIGSTOP)
-    llm.shutdown()
-    assert llm._process.exitcode == -signal.SIGKILL
-    assert not llm._reader.is_alive()  # the pipe closed with the process
 
 
 PARENT = """

@@ -6,7 +6,7 @@ import threading
 
 def stuck_engine_process() -> None:
     """Watch the parent as ``run_engine_core`` does, then never return (as a step that never ends)."""
-    from micro_vllm.engine.core_proc import _exit_with_parent
+    from micro_vllm.utils import exit_with_parent
 
-    _exit_with_parent()
+    exit_with_parent()
     threading.Event().wait()

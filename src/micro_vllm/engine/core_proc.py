@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import threading
@@ -40,6 +39,7 @@ from micro_vllm.core.request import Request
 from micro_vllm.engine.engine import LLMEngine
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
+from micro_vllm.utils import exit_with_parent
 
 if TYPE_CHECKING:
     from micro_vllm.structured_output.manager import StructuredOutputGrammar
@@ -51,7 +51,9 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
     """The process' target: build the engine, then serve the pipe until shutdown or death."""
     # A Ctrl-C reaches the whole process group; the server, not the signal, decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    # It ends with the process that started it: one killed before it could shut the engine down leaves
+    # nobody to read its outputs or stop it, and a step that never returns would never see the pipe close.
+    exit_with_parent()
     try:
         engine = LLMEngine(config)
     except BaseException as error:  # noqa: BLE001 - the caller of AsyncLLM() gets it
@@ -64,21 +66,6 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
         EngineCoreProc(engine, conn).run()
     finally:
         engine.shutdown()
-
-
-def _exit_with_parent() -> None:
-    """End this process as soon as the one that started it is gone, whatever the engine is doing then
-    (loading the model, a step that does not end): a parent killed before it could shut the engine
-    down leaves nobody to read its outputs or stop it. A daemon thread waits for that."""
-    parent = multiprocessing.parent_process()
-    if parent is None:  # run in the main process (a test)
-        return
-
-    def wait_for_parent() -> None:
-        parent.join()
-        os._exit(1)
-
-    threading.Thread(target=wait_for_parent, name="micro-vllm-parent-watch", daemon=True).start()
 
 
 def _load_structured_output(engine: LLMEngine) -> None:
