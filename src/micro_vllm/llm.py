@@ -19,6 +19,7 @@ from micro_vllm.engine.request_output import RequestOutput
 from micro_vllm.metrics.loggers import PrometheusStatLogger
 from micro_vllm.metrics.reader import Metric, get_metrics_snapshot
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
+from micro_vllm.utils import sigint_held_back
 from micro_vllm.validation import reject, short_repr
 
 
@@ -116,8 +117,10 @@ class LLM:
             raise RuntimeError("generate() was called from inside generate() (a callback); call it once that returns")
         with self._generate_lock:
             engine = self._engine()
-            self._generating_thread = threading.get_ident()
             try:
+                self._generating_thread = threading.get_ident()
+                if engine.has_unfinished_requests() or engine.in_flight:
+                    engine.abort_all_requests()  # left by a call whose rollback a second Ctrl-C kept from starting
                 return self._generate(engine, prompts, sampling_params, use_tqdm)
             except BaseException:
                 engine.abort_all_requests()  # this call's requests are all the engine holds
@@ -142,9 +145,16 @@ class LLM:
         with self._abort_lock:
             self._in_flight = set(order)
         results: list[RequestOutput | None] = [None] * len(requests)
-        prefill_tokens = decode_tokens = 0
-        start = time.perf_counter()
-        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        bar = None
+        try:
+            if use_tqdm:
+                # tqdm takes its process-wide lock in Python without a try (a Ctrl-C inside would leave
+                # it held, and every later bar waiting for it), and a KeyboardInterrupt raised in its
+                # __del__ is lost (Python ignores exceptions in finalizers): its calls hold Ctrl-C back.
+                with sigint_held_back():
+                    bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True)
+            prefill_tokens = decode_tokens = 0
+            start = time.perf_counter()
             while engine.has_unfinished_requests():
                 if self._shutdown_requested:
                     raise RuntimeError("LLM.shutdown() was called while generate() ran; its requests were aborted")
@@ -159,12 +169,20 @@ class LLM:
                     self.stat_logger.record(scheduler_stats, engine.take_iteration_stats())
                 for output in outputs:
                     results[order[output.request_id]] = output
-                    bar.update(1)
                 with self._abort_lock:
                     self._in_flight.difference_update(out.request_id for out in outputs)
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, decode {decode_tokens / elapsed:.0f} tok/s",
-                                    refresh=False)
+                if bar is not None:
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
+                                        f"decode {decode_tokens / elapsed:.0f} tok/s", refresh=False)
+                    if outputs:
+                        with sigint_held_back():
+                            bar.update(len(outputs))
+        finally:
+            if bar is not None:
+                with sigint_held_back():
+                    bar.close()
+                    bar = None  # tqdm's __del__ runs now, where it cannot swallow a Ctrl-C
         if self.stat_logger is not None:  # the gauges as the engine is left: idle
             self.stat_logger.record(engine.scheduler.make_stats(), None)
         return results

@@ -1,10 +1,17 @@
-"""Where vLLM users import ``FlexibleArgumentParser`` from (``vllm.utils``)."""
+"""Where vLLM users import ``FlexibleArgumentParser`` from (``vllm.utils``); and two helpers for
+signals and processes: ``sigint_held_back``, for the few calls a Ctrl-C must not split, and
+``exit_with_parent``, for a process that must not outlive the one that started it."""
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
@@ -23,3 +30,39 @@ def _dashed(arg: str) -> str:
         return arg
     name, equals, value = arg.partition("=")
     return name.replace("_", "-") + equals + value
+
+
+@contextmanager
+def sigint_held_back() -> Iterator[None]:
+    """Run the block with a Ctrl-C held back, then raise it: for a few short calls that an interrupt
+    must not split, as it would at any bytecode of the main thread (one that takes a lock without a
+    ``try``, a ``__del__`` that would swallow it, a command sent to some ranks and not the others).
+    Python handles signals in the main thread only; elsewhere, or under a handler that was not set
+    from Python, this changes nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    received = []
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        signal.raise_signal(signal.SIGINT)  # to the program's own handler: a KeyboardInterrupt by default
+
+
+def exit_with_parent() -> None:
+    """End this process (at once, whatever its main thread is doing) as soon as the process that
+    started it through ``multiprocessing`` is gone; nothing in a process that was not started so.
+    A daemon thread waits for that."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def wait_for_parent() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=wait_for_parent, name="micro-vllm-parent-watch", daemon=True).start()

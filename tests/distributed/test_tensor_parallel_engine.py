@@ -12,8 +12,10 @@ the last of them kills a worker. (Every family's sharding: test_tensor_parallel_
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 
@@ -118,6 +120,27 @@ def run_and_abort_the_last(llm: LLM, requests: list) -> dict[str, list[tuple]]:
             finished += engine.abort_request(str(len(requests) - 1))
     check_all_free(engine.scheduler)
     return {output.request_id: [(c.token_ids, c.text, c.finish_reason) for c in output.outputs] for output in finished}
+
+
+def test_a_ctrl_c_after_one_rank_got_a_step_reaches_the_other_rank_first(two_ranks, expected, monkeypatch):
+    """A Ctrl-C right after rank 0 was sent a step's plan: rank 1 is sent it too before the
+    KeyboardInterrupt comes out (without it rank 0 would wait in the step's collectives forever, and
+    the rollback for rank 0), and the next call gives the one-rank tokens."""
+    commands = two_ranks.engine.executor.workers[0].commands
+    send_bytes = commands.send_bytes
+    steps = itertools.count()
+
+    def then_ctrl_c(data):
+        send_bytes(data)
+        if pickle.loads(data)[0] == "execute_model" and next(steps) == 2:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(commands, "send_bytes", then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        two_ranks.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    assert token_ids(two_ranks.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+    check_all_free(two_ranks.engine.scheduler)
 
 
 def test_a_killed_worker_fails_the_engine_and_leaves_no_process(two_ranks):

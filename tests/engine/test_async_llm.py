@@ -1,7 +1,8 @@
 """AsyncLLM on a tiny model: streamed deltas add up to the offline output, a cancelled caller's
 request is aborted and its blocks freed, a refused request fails only its caller, a request that
 cannot reach the engine is forgotten, and an engine whose process dies fails every caller and the
-health check, saying how the process ended.
+health check, saying how the process ended. No shutdown waits forever: a process that does not stop
+is killed, and one whose parent is gone ends.
 
 Then the engine process's loop (``EngineCoreProc``) driven over a pipe in this process, its grammar
 compiles held until the test lets them go: the other requests step meanwhile, an abort ends a request
@@ -11,7 +12,11 @@ next step, so that an aborted request is never scheduled."""
 
 import asyncio
 import multiprocessing
+import os
 import pickle
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -21,9 +26,11 @@ import pytest
 
 from micro_vllm import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from micro_vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from micro_vllm.engine import async_llm
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from micro_vllm.engine.core_proc import EngineCoreProc
 from micro_vllm.engine.engine import LLMEngine
+from helpers.fault_workload import child_env
 from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
 
 KWARGS = dict(device="cpu", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
@@ -53,7 +60,8 @@ def start_engine(model):
 
 @pytest.fixture(scope="module")
 def llm(model):
-    """One engine process for the module (starting one takes seconds); the test that kills it has its own."""
+    """One engine process for the module (starting one takes seconds), shared by the tests in file order,
+    the last of which stops it; the test that kills it has its own."""
     engine = start_engine(model)
     yield engine
     engine.shutdown()
@@ -188,6 +196,17 @@ def test_a_request_that_cannot_reach_the_engine_is_forgotten(llm):
     assert not llm._streams
 
 
+def test_shutdown_kills_an_engine_process_that_does_not_stop(llm, monkeypatch):
+    """AsyncLLM.shutdown never waits forever: an engine process that does not act on the request
+    (stopped here, as one stuck in a step would be) is killed once the timeout has passed. The last
+    test of the module's engine: it leaves it shut down."""
+    monkeypatch.setattr(async_llm, "SHUTDOWN_TIMEOUT_S", 1)
+    os.kill(llm._process.pid, signal.SIGSTOP)
+    llm.shutdown()
+    assert llm._process.exitcode == -signal.SIGKILL
+    assert not llm._reader.is_alive()  # the pipe closed with the process
+
+
 def test_a_dead_engine_fails_every_caller_and_the_health_check(model):
     """The engine's process dies (killed) while requests stream: each caller gets EngineDeadError."""
     llm = start_engine(model)
@@ -211,6 +230,46 @@ def test_a_dead_engine_fails_every_caller_and_the_health_check(model):
     with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
         llm.check_health()
     llm.shutdown()
+
+
+PARENT = """
+import multiprocessing, sys
+from helpers.stuck_engine import stuck_engine_process
+process = multiprocessing.get_context("spawn").Process(target=stuck_engine_process)
+process.start()
+print(process.pid, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_engine_process_ends_with_its_parent():
+    """A parent killed before it could shut its AsyncLLM down (SIGKILL: no atexit handler runs) takes
+    the engine's process with it, even one stuck in a step, which never reads its pipe again."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env=child_env())
+    engine_pid = None
+    try:
+        engine_pid = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while _running(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(engine_pid)
+    finally:
+        parent.kill()
+        parent.wait()
+        if engine_pid is not None and _running(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
 
 
 # -- the engine process's loop, in this process ---------------------------------------------------

@@ -7,27 +7,21 @@ Tiny random models on CPU (fp32, sdpa), prefix caching on and a cache small enou
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import select
 import signal
-import subprocess
-import sys
-import textwrap
+import threading
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tqdm import std as tqdm_std
 
-import micro_vllm
 from helpers.core_helpers import FakeRunner, check_all_free, make_request, make_scheduler, token_ids
 from micro_vllm import LLM
 from micro_vllm.engine import output_processor
 from micro_vllm.worker.step_output import DeviceStepOutput
-from helpers.fault_workload import PARAMS, PROMPTS, SETTINGS, check_nothing_left, inject
+from helpers.fault_workload import PARAMS, PROMPTS, SETTINGS, SigintChild, check_nothing_left, inject
 from helpers.fault_workload import expected, make_llm, model_dir  # noqa: F401  (fixtures)
 from helpers.tiny_models import one_torch_thread  # noqa: F401  (an autouse fixture)
 
@@ -142,73 +136,23 @@ def test_rejected_calls_leave_no_records(model_dir):
 
 NUM_INTERRUPTS = 6
 
-CHILD = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    from micro_vllm import LLM, SamplingParams
 
-    torch.set_num_threads(1)
-    prompts, params, settings = json.loads(sys.argv[2])
-    params = [SamplingParams(**p) for p in params]
-    make = lambda: LLM(model=sys.argv[1], device="cpu", dtype="float32", attention_backend="sdpa", **settings)
-    tokens = lambda outputs: [o.outputs[0].token_ids for o in outputs]
-    expected = tokens(make().generate(prompts, params, use_tqdm=False))
-    llm = make()
-    engine = llm.engine
-    kv = engine.scheduler.kv_cache_manager
-    runner = engine.executor.worker.model_runner
-    result = {"interrupts": 0, "completed": 0, "mismatches": 0, "left_behind": 0}
-    print("ready", flush=True)
-    while result["interrupts"] < int(sys.argv[3]):
-        try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            result["completed"] += 1
-            result["mismatches"] += tokens(outputs) != expected
-        except KeyboardInterrupt:
-            result["interrupts"] += 1
-            result["left_behind"] += bool(engine.scheduler.requests or kv.num_free_blocks != kv.num_usable_blocks
-                                          or len(runner.input_batch) or engine.in_flight or engine.prompts)
-            print("interrupted", flush=True)
-    result["mismatches"] += tokens(llm.generate(prompts, params, use_tqdm=False)) != expected
-    result["hits"] = sum(o.num_cached_tokens for o in llm.generate(prompts, params, use_tqdm=False))
-    print(json.dumps(result), flush=True)
-    """
-)
-
-
-def test_real_sigint_during_generate(model_dir):
+def test_real_sigint_during_generate(model_dir, tmp_path):
     """SIGINTs at random moments of a loop of generate calls, in a child process: each surfaces as
-    a KeyboardInterrupt, leaves nothing behind, and every later call gives a fresh engine's tokens."""
-    params = [dict(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed, ignore_eos=True)
-              for p in PARAMS]
-    # The child imports the micro_vllm this test runs.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(micro_vllm.__file__).parents[1]),
-                                                          os.environ.get("PYTHONPATH", "")])}
-    # Unbuffered, so that select sees every line the child writes.
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(model_dir), json.dumps([PROMPTS, params, SETTINGS]), str(NUM_INTERRUPTS)],
-        stdout=subprocess.PIPE, bufsize=0, env=env,
-    )
-
-    def read_line() -> str:
-        assert select.select([child.stdout], [], [], 120)[0], "the child hangs"
-        return child.stdout.readline().decode().strip()
-
+    a KeyboardInterrupt, leaves nothing behind, and every later call gives a fresh engine's tokens.
+    A child that does not answer has its threads' stacks in the failure (``SigintChild``);
+    tests/engine/test_sigint_stress.py sends thousands."""
+    child = SigintChild(model_dir, "faults", NUM_INTERRUPTS, tmp_path / "child_stderr.txt")
     try:
-        assert read_line() == "ready"
         delays = random.Random(0)
         for _ in range(NUM_INTERRUPTS):
             # The child acknowledges each interrupt before the next, so each lands in its loop.
             time.sleep(delays.uniform(0.05, 0.6))
-            child.send_signal(signal.SIGINT)
-            assert read_line() == "interrupted"
-        result = json.loads(read_line())
-        assert child.wait(timeout=120) == 0
+            child.interrupt()
+        result = child.result()
     finally:
-        child.kill()
-    assert result["interrupts"] == NUM_INTERRUPTS
-    assert result["mismatches"] == 0 and result["left_behind"] == 0
+        child.close()
+    assert result["mismatches"] == 0 and result["left_behind"] == []
     assert result["hits"] > 0  # the prefix cache still serves what completed steps computed
 
 
@@ -225,3 +169,62 @@ def test_an_interrupt_before_the_next_call_runs_leaves_nothing_behind(model_dir,
     monkeypatch.undo()
     check_nothing_left(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+
+
+def _tqdm_lock_is_free() -> bool:
+    """Whether another thread can take tqdm's process-wide lock now."""
+    free = []
+
+    def probe():
+        locks = tqdm_std.tqdm.get_lock().locks
+        taken = [lock for lock in locks if lock.acquire(False)]
+        for lock in taken:
+            lock.release()
+        free.append(len(taken) == len(locks))
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return free[0]
+
+
+@pytest.mark.parametrize("where", ["acquire", "__del__"])
+def test_a_ctrl_c_while_tqdm_runs_comes_out_after_it(model_dir, expected, monkeypatch, where):
+    """tqdm takes its process-wide lock without a ``try`` and a KeyboardInterrupt in its ``__del__`` is
+    lost, so generate holds a Ctrl-C back while tqdm runs: one that comes right after tqdm took its
+    lock, or while the bar is dropped, ends the call with a KeyboardInterrupt and leaves the lock free."""
+    llm = make_llm(model_dir)
+    owner = tqdm_std.TqdmDefaultWriteLock if where == "acquire" else tqdm_std.tqdm
+    original = getattr(owner, where)
+    sent = []
+
+    def then_ctrl_c(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(owner, where, then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS)
+    monkeypatch.undo()
+    assert sent and _tqdm_lock_is_free()
+    check_nothing_left(llm)
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("second", ["abort_all_requests", "reset"])
+def test_a_second_interrupt_in_the_rollback_is_finished_by_the_next_call(model_dir, expected, monkeypatch, second):
+    """A Ctrl-C between two steps, and a second one as the rollback of the first starts (before it has
+    done anything) or in the middle of it (as the scheduler resets): the rollback is finished when the
+    engine is next used, and the next call gives a fresh engine's tokens."""
+    llm = make_llm(model_dir)
+    inject(monkeypatch, llm, "_apply_aborts", at_call=2, error=KeyboardInterrupt)  # two steps have run
+    inject(monkeypatch, llm.engine if second == "abort_all_requests" else llm.engine.scheduler, second,
+           at_call=0, error=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt, match=second):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+    check_all_free(llm.engine.scheduler)

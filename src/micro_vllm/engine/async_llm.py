@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestOutputCollector"]
 
+SHUTDOWN_TIMEOUT_S = 60  # how long shutdown waits for the engine's process to end before killing it
+
 
 class RequestOutputCollector:
     """One request's outputs on its caller's event loop, waiting to be taken (vLLM's name).
@@ -107,9 +109,11 @@ class AsyncLLM:
             message = self._conn.recv()
         except EOFError:
             message = ("dead", EngineDeadError(f"the engine process {_exit_status(self._process)} while starting"))
+        except BaseException:  # a Ctrl-C while the model loads, say: the process must not outlive this call
+            self._stop_process(0)
+            raise
         if message[0] == "dead":
-            self._process.join()
-            atexit.unregister(self._process.terminate)
+            self._stop_process(SHUTDOWN_TIMEOUT_S)  # it ends by itself
             raise message[1]
         _, self.max_model_len, self.vocab_size = message
         model_config = config.model_config
@@ -187,16 +191,23 @@ class AsyncLLM:
             raise self._new_dead_error()
 
     def shutdown(self) -> None:
-        """Stop the engine (callers still waiting get EngineDeadError) and its process."""
+        """Stop the engine (callers still waiting get EngineDeadError) and its process. No wait is
+        unbounded: a process that has not ended ``SHUTDOWN_TIMEOUT_S`` after the request (stuck in a
+        step, say) is killed, and the reader thread ends as the pipe closes with it."""
         if self._dead_error is None:
-            self._send(("shutdown",))
-        self._reader.join()
-        self._process.join(timeout=60)
+            # From a thread of its own: with the engine stuck and the pipe full, the send would not return.
+            threading.Thread(target=self._send, args=(("shutdown",),), name="micro-vllm-shutdown", daemon=True).start()
+        self._stop_process(SHUTDOWN_TIMEOUT_S)
+        self._reader.join(SHUTDOWN_TIMEOUT_S)
+        self._conn.close()
+
+    def _stop_process(self, timeout: float) -> None:
+        """Give the engine's process ``timeout`` seconds to end, then kill it."""
+        self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
-            self._process.join()
+            self._process.join(SHUTDOWN_TIMEOUT_S)
         atexit.unregister(self._process.terminate)
-        self._conn.close()
 
     def _send_abort(self, request_id: str) -> None:
         if self._dead_error is None:

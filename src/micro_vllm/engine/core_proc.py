@@ -46,6 +46,7 @@ from micro_vllm.core.request import Request
 from micro_vllm.engine.engine import LLMEngine
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
+from micro_vllm.utils import exit_with_parent
 
 if TYPE_CHECKING:
     from micro_vllm.structured_output.manager import StructuredOutputGrammar
@@ -57,6 +58,9 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
     """The process' target: build the engine, then serve the pipe until shutdown or death."""
     # A Ctrl-C reaches the whole process group; the server, not the signal, decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # It ends with the process that started it: one killed before it could shut the engine down leaves
+    # nobody to read its outputs or stop it, and a step that never returns would never see the pipe close.
+    exit_with_parent()
     try:
         engine = LLMEngine(config)
     except BaseException as error:  # noqa: BLE001 - the caller of AsyncLLM() gets it

@@ -96,7 +96,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.max_model_len, kv_cache_manager)
         self.structured_output_manager: StructuredOutputManager | None = None  # built for the first such request
         self.in_flight: deque[AsyncModelRunnerOutput] = deque()
-        self._in_step = False  # set while a step runs; still set after a failed step's rollback failed
+        self._in_step = False  # set while a step or its rollback runs; still set if a rollback was cut short
         self.prompts: dict[str, str | None] = {}  # made requests' prompt texts, until they are added
         self.output_processor = OutputProcessor(self.tokenizer)
         if self.tracer is not None:
@@ -242,12 +242,14 @@ class LLMEngine:
         hashes of every step whose output was not applied (its K/V may never have been computed);
         the runner forgets every request too. What a failed step does: afterwards nothing runs,
         every KV block is free, and the engine gives a fresh engine's outputs."""
+        # Nothing ran since the last step completed, and the runner holds no request the next plan
+        # would have told it to drop: nothing to roll back. Otherwise _in_step stays set until the
+        # rollback is done, so that one cut short (a second Ctrl-C) is finished by the next call.
+        self._in_step = bool(self._in_step or self.in_flight or self.scheduler.has_unfinished_requests()
+                             or self.scheduler.finished_req_ids)
         self.prompts.clear()
         self.output_processor.clear()
-        if not (self._in_step or self.in_flight or self.scheduler.has_unfinished_requests()
-                or self.scheduler.finished_req_ids):
-            # Nothing ran since the last step completed, and the runner holds no request the next
-            # plan would have told it to drop: nothing to roll back.
+        if not self._in_step:
             return
         self.in_flight.clear()
         aborted = self.scheduler.reset()

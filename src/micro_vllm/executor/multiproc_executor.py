@@ -50,6 +50,7 @@ from micro_vllm.distributed import get_open_port
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from micro_vllm.utils import sigint_held_back
 from micro_vllm.worker.worker import Worker
 
 # How long stopping waits for the workers to leave their process groups before killing them (one
@@ -191,12 +192,18 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise self._dead_error()
         data = dumps(message)
-        for worker in self.workers:
-            try:
-                worker.commands.send_bytes(data)
-            except OSError:  # that worker is gone: find out how
-                while True:
-                    self._next_message()
+        gone = False
+        # To every rank or none: a Ctrl-C between two sends would leave the ranks that got a step
+        # waiting in its collectives for one that never runs it, and the rollback waiting for them.
+        with sigint_held_back():
+            for worker in self.workers:
+                try:
+                    worker.commands.send_bytes(data)
+                except OSError:  # that worker is gone: find out how, below
+                    gone = True
+                    break
+        while gone:
+            self._next_message()
 
     def _next_message(self) -> tuple[int, tuple]:
         """The next message of any worker. A worker's error or death stops them all and raises."""

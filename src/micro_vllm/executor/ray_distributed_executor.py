@@ -53,6 +53,7 @@ from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.multiproc_executor import dumps
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from micro_vllm.utils import sigint_held_back
 from micro_vllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,11 @@ class RayDistributedExecutor(Executor):
     def execute_model(self, plan: SchedulerOutput) -> AsyncModelRunnerOutput:
         self._check_alive()
         plan_bytes = dumps(plan)
-        step = RayStepOutput(self, [w.actor.execute_model.remote(plan_bytes) for w in self.workers])
+        # To every rank or none: a Ctrl-C between two calls would leave the ranks that got the step
+        # waiting in its collectives for one that never runs it, and the rollback waiting for them.
+        with sigint_held_back():
+            refs = [w.actor.execute_model.remote(plan_bytes) for w in self.workers]
+        step = RayStepOutput(self, refs)
         self._unread.append(step)
         return step
 

@@ -12,6 +12,7 @@ host has seen it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, replace
 
@@ -70,6 +71,21 @@ class StepInputs:
     cuda_graph_shape: CudaGraphShape | None  # the captured shape the step is padded to and replays; None: eager
     prompt_logprobs: list[PromptLogprobsSlice]  # empty unless a request of the step asks for prompt logprobs
     prompt_logprob_targets: torch.Tensor | None  # per step token, the prompt token it predicts (in the slices)
+
+
+def _inference_mode(method):
+    """``@torch.inference_mode()`` without its Python ``__enter__``: that one turns the mode on and
+    keeps torch's guard on the context object, so a Ctrl-C landing before it returned left the mode
+    on until the KeyboardInterrupt's traceback was freed, and freeing it then turned the mode off
+    wherever the program was (in a later step, a RuntimeError). Here the guard is a temporary of the
+    ``with`` line itself: an interrupt before the ``with`` holds it frees it, and the mode with it, at once."""
+
+    @functools.wraps(method)
+    def in_inference_mode(*args, **kwargs):
+        with torch._C._InferenceMode(True):
+            return method(*args, **kwargs)
+
+    return in_inference_mode
 
 
 class ModelRunner:
@@ -153,7 +169,7 @@ class ModelRunner:
         self.prev_sampled_token_ids = None
         self.prev_req_id_to_index = {}
 
-    @torch.inference_mode()
+    @_inference_mode
     def execute_model(self, plan: SchedulerOutput) -> DeviceStepOutput:
         """Launch the plan's step; its tokens arrive through the returned handle."""
         if self.copies_done is not None:  # the batch and the step buffers are about to be refilled
