@@ -11,6 +11,7 @@ until the test lets it go: the requests and aborts that come in meanwhile are al
 next step, so that an aborted request is never scheduled."""
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import pickle
@@ -333,6 +334,7 @@ class Core:
         self.conn.send(("shutdown",))
         self.loop.join(timeout=60)
         self.engine.shutdown()
+        gc.unfreeze()  # EngineCoreProc froze this test process's heap, as it does its own process's
 
 
 @pytest.fixture
@@ -340,6 +342,16 @@ def core(model):
     core = Core(LLMEngine(EngineArgs(model=model, **KWARGS).create_engine_config()))
     yield core
     core.shutdown()
+
+
+def test_the_engine_process_freezes_its_start_up_heap(core):
+    """The server's engine process moves what start-up made out of the collector's generations, so
+    that full collections set off by the steps do not scan it again: the engine's scheduler and model
+    are no longer tracked (an offline LLM leaves its caller's heap alone: test_generate.py)."""
+    runner = core.engine.executor.worker.model_runner
+    assert gc.get_freeze_count() > 0
+    tracked = {id(o) for o in gc.get_objects()}
+    assert id(core.engine.scheduler) not in tracked and id(runner.model) not in tracked
 
 
 def digits(regex="[0-9]{3}"):

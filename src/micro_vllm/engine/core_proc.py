@@ -31,6 +31,7 @@ What it sends back, in order, one message each:
 
 from __future__ import annotations
 
+import gc
 import logging
 import pickle
 import queue
@@ -90,6 +91,13 @@ class EngineCoreProc:
         self.engine = engine
         self.conn = conn
         self.announced: set[str] = set()  # requests whose prompt has gone out with an output
+        # What start-up made (the model's modules, the tokenizer, compiled kernels, CUDA graphs) lives as
+        # long as this process: moved out of the collector's generations, it is not scanned again by the
+        # full collections that the steps' own objects set off, each of which would stall a step for as
+        # long as the whole heap takes to scan (vLLM freezes its heap after warm-up too). Here only: the
+        # freeze is the whole process's, and an offline LLM leaves its caller's heap alone.
+        gc.collect()
+        gc.freeze()
         # The commands from the pipe, and ("compiled",) whenever a grammar has compiled, in order.
         self.input_queue: queue.Queue[tuple] = queue.Queue()
         self.grammars = PendingGrammars(lambda: self.input_queue.put(("compiled",)))

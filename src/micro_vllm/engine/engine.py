@@ -13,7 +13,6 @@ as a fresh one would (``abort_all_requests``).
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from collections import deque
@@ -101,15 +100,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         if self.tracer is not None:
             self.tracer.record_start(self._run_info(), self.scheduler.stats)
-        # What start-up made (the model's modules, the tokenizer, compiled kernels, CUDA graphs) lives
-        # as long as the engine: moved out of the collector's generations, it is not scanned again by
-        # the full collections that the steps' own objects set off, each of which would stall a step
-        # for as long as the whole heap takes to scan (vLLM's worker freezes it after warm-up too).
-        # The freeze is the process's: what is alive now, the caller's objects included, is never
-        # collected if it later ends up in a reference cycle. The engine is in none: dropped, it and its
-        # scheduler, runner and model are freed by reference counting (tests/engine/test_generate.py).
-        gc.collect()
-        gc.freeze()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
