@@ -6,8 +6,8 @@ penalties (PyTorch's) against the engine's, for the throughput recipe's batch.
 Random bf16 logits of ``rows`` x ``vocab`` (Qwen3's vocabulary), temperature 0.6 on every row, and
 the settings of ``CASES``: plain temperature, ``top_k=50`` with ``top_p=0.9``, top-p alone,
 ``logprobs=5``, and the three penalties (over counts of 500 output tokens and a prompt of 500).
-"before" runs the same Sampler with its top-k / top-p replaced by the sort-based masking it had
-before (``sorted_top_k_top_p`` below) and its penalties by PyTorch's (``apply_penalties``); "after"
+"before" runs the same Sampler with its top-k / top-p replaced by the sort of whole rows it had
+before (``sorted_top_k_top_p_threshold`` below) and its penalties by PyTorch's (``apply_penalties``); "after"
 is the engine's. On CUDA with both
 sampler routes (PyTorch, and the Triton sampler the engine uses when its ``sampler`` op is on), timed
 with CUDA events after warm-up; milliseconds per call, the median of ``iters``. ``--device cpu
@@ -39,11 +39,15 @@ CASES = {
 }
 
 
-def sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                       *unused) -> torch.Tensor:
-    """The masking the Sampler had before: sort each whole row, mask by rank and cumulative mass,
-    scatter back."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+def sorted_top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                                 max_top_k: int | None = None, whole_row_top_p=None,
+                                 inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """The top-k / top-p the Sampler had before, as a threshold: sort each whole row (scaled first,
+    where the Sampler gives an ``inverse_temperature``), mask by rank and cumulative mass; the
+    smallest logit kept."""
+    if inverse_temperature is not None:
+        logits = logits.float() * inverse_temperature.unsqueeze(-1)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
     if top_k is not None:
         rank = torch.arange(logits.shape[-1], device=logits.device)
         k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(-1)
@@ -52,13 +56,13 @@ def sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before > top_p.unsqueeze(-1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return sorted_logits.masked_fill(sorted_logits.isneginf(), float("inf")).amin(dim=-1, keepdim=True).float()
 
 
 @contextmanager
 def old_sampler(sampler: Sampler):
     """The Sampler as it was: top-k / top-p by sorting whole rows, the penalties in PyTorch."""
-    with mock.patch.object(sampler_module, "apply_top_k_top_p", sorted_top_k_top_p), \
+    with mock.patch.object(sampler_module, "top_k_top_p_threshold", sorted_top_k_top_p_threshold), \
             mock.patch.object(sampler, "penalize", apply_penalties):
         yield
 

@@ -399,9 +399,14 @@ def test_sampler_bench_times_every_case_on_cpu(capsys):
     assert "top_k=50 top_p=0.9" in capsys.readouterr().out
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0))
     top_k, top_p = torch.tensor([0, 5, 50, 50], dtype=torch.int32), torch.tensor([1.0, 0.9, 0.9, 0.3])
-    before = sampler_bench.sorted_top_k_top_p(logits, top_k, top_p)
-    after = sampler_module.apply_top_k_top_p(logits, top_k, top_p, 64, sampler_module.sorted_top_p_threshold)
-    assert torch.equal(before.isfinite(), after.isfinite())
+    before = sampler_bench.sorted_top_k_top_p_threshold(logits, top_k, top_p)
+    after = sampler_module.top_k_top_p_threshold(logits, top_k, top_p, 64, sampler_module.sorted_top_p_threshold)
+    assert torch.equal(logits >= before, logits >= after)
+    inverse_temperature = torch.full((4,), 1 / 0.6)  # as the Sampler passes it for rows with top-p alone
+    scaled = logits * inverse_temperature.unsqueeze(-1)
+    with_inverse_temperature = sampler_bench.sorted_top_k_top_p_threshold(logits, top_k, top_p, None, None,
+                                                                          inverse_temperature)
+    assert torch.equal(with_inverse_temperature, sampler_bench.sorted_top_k_top_p_threshold(scaled, top_k, top_p))
 
 
 def test_peer_workloads_refuses_a_sampling_that_is_not_json_objects(tmp_path):

@@ -1,4 +1,4 @@
-"""Top-k / top-p masking (``apply_top_k_top_p``) keeps exactly the tokens that a plain sort-based
+"""Top-k / top-p thresholds (``top_k_top_p_threshold``) keep exactly the tokens that a plain sort-based
 definition keeps, written here token by token: top-k keeps the tokens at least as large as the k-th
 largest logit; top-p, on the softmax of that set, keeps a token when the mass of the tokens strictly
 above it is at most ``top_p``; ``top_k`` 0 and ``top_p`` 1 are off. Rows with a top-k take their
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from micro_vllm.sampling import triton_top_p
-from micro_vllm.sampling.sampler import (Sampler, SamplingMetadata, apply_top_k_top_p, max_top_k,
-                                         sorted_top_p_threshold)
+from micro_vllm.sampling.sampler import (Sampler, SamplingMetadata, max_top_k, sorted_top_p_threshold,
+                                         top_k_top_p_threshold)
 
 VOCAB = 96
 WHOLE_ROW = {"sorted": sorted_top_p_threshold, "triton": triton_top_p.top_p_threshold}
@@ -38,12 +38,18 @@ def tied_logits(num_rows: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
 
 
 def masked(logits, top_k: list[int], top_p: list[float], whole_row: str = "sorted", candidates: int | None = None):
-    """``apply_top_k_top_p`` as the Sampler calls it; ``candidates``: more than the batch needs."""
+    """The logits under ``top_k_top_p_threshold`` as the Sampler calls it; ``candidates``: more than
+    the batch needs."""
     k = torch.tensor(top_k, dtype=torch.int32)
     p = torch.tensor(top_p, dtype=torch.float32)
     top_p_alone = bool(((p < 1) & (k == 0)).any())
-    return apply_top_k_top_p(logits, k if any(top_k) else None, p if min(top_p) < 1 else None,
-                             candidates or max_top_k(k.numpy()), WHOLE_ROW[whole_row] if top_p_alone else None)
+    return below_threshold_masked(logits, k if any(top_k) else None, p if min(top_p) < 1 else None,
+                                  candidates or max_top_k(k.numpy()), WHOLE_ROW[whole_row] if top_p_alone else None)
+
+
+def below_threshold_masked(logits, *args) -> torch.Tensor:
+    """``logits`` with -inf for the tokens below ``top_k_top_p_threshold(logits, *args)``."""
+    return logits.masked_fill(logits < top_k_top_p_threshold(logits, *args), float("-inf"))
 
 
 def check(logits, top_k: list[int], top_p: list[float], whole_row: str = "sorted",
@@ -86,6 +92,19 @@ def test_mixed_rows(whole_row):
     check(logits, top_k, top_p, whole_row)
     logits[4] = float("-inf")  # all -inf: nothing to keep, nothing to fail
     assert masked(logits, top_k, top_p, whole_row)[4].isneginf().all()
+
+
+@pytest.mark.parametrize("whole_row", list(WHOLE_ROW))
+def test_the_whole_row_search_scales_the_logits_as_the_sampler_does(whole_row):
+    """Given each row's inverse temperature, the search finds on bf16 logits the threshold of
+    ``logits.float() * (1 / T)``, which the Sampler would otherwise make first, bit for bit."""
+    logits = (torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(9)) * 3).to(torch.bfloat16)
+    inverse_temperature = 1 / torch.tensor([0.3, 0.6, 1.0, 1.7, 0.6, 1.0])
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.2, 1.0, 1e-6])
+    scaled = logits.float() * inverse_temperature.unsqueeze(-1)
+    search = WHOLE_ROW[whole_row]
+    assert torch.equal(search(logits, top_p, inverse_temperature), search(scaled, top_p, None))
+    assert torch.equal(search(scaled, top_p, None), sorted_top_p_threshold(scaled, top_p))
 
 
 def test_a_row_keeps_the_same_tokens_alone_and_in_a_batch():
@@ -136,14 +155,19 @@ def test_a_tie_at_the_kth_logit_weighs_in_top_p_with_all_its_tokens(candidates):
     assert reference_kept(logits, [2], [0.5]).sum() == 51
 
 
-def test_the_top_p_search_cuts_its_bracket_until_it_can_gather_it(monkeypatch):
+@pytest.mark.parametrize("parallel_passes", [0, 1, 4])
+def test_the_top_p_search_cuts_its_bracket_until_it_can_gather_it(monkeypatch, parallel_passes):
     """The search's passes at sizes that make them do the work of 151,936-token rows on a few
     thousand: 8 pivots and room for 16 tokens take several cutting passes; a tie of 300 tokens at
     the threshold fills the bracket past its room until it is one value wide; top-p near 1 puts the
-    threshold among thousands of small tokens; a row of one finite token keeps it."""
+    threshold among thousands of small tokens; a row of one finite token keeps it. Rows are cut in
+    chunks of 512 tokens as many times as ``parallel_passes`` allows, and those still too full are cut
+    on by their own program (all of them with none), the same thresholds either way."""
     monkeypatch.setattr(triton_top_p, "_PIVOTS", 8)
     monkeypatch.setattr(triton_top_p, "_CAP", 16)
     monkeypatch.setattr(triton_top_p, "_SEARCH_BLOCK", 128)
+    monkeypatch.setattr(triton_top_p, "_CHUNK", 512)
+    monkeypatch.setattr(triton_top_p, "_PARALLEL_PASSES", parallel_passes)
     vocab = 3000
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(7)) * 2
     logits[1] /= 4
@@ -174,10 +198,10 @@ def test_top_candidates_and_the_top_p_search_keep_what_sorted_rows_keep_at_the_b
     logits[2::10] /= 10  # flat rows: nuclei of many thousand tokens
     bound = max_top_k(top_k.cpu().numpy())
     assert int(top_k.max()) <= bound < 2 * int(top_k.max())
-    searched = apply_top_k_top_p(logits, top_k, top_p, bound, triton_top_p.top_p_threshold).isfinite()
+    searched = below_threshold_masked(logits, top_k, top_p, bound, triton_top_p.top_p_threshold).isfinite()
     # Whatever the number of candidates (the largest top-k itself, another row's larger one), the same tokens.
     for candidates in (int(top_k.max()), 2000, 151_936):
-        sorted_rows = apply_top_k_top_p(logits, top_k, top_p, candidates, sorted_top_p_threshold).isfinite()
+        sorted_rows = below_threshold_masked(logits, top_k, top_p, candidates, sorted_top_p_threshold).isfinite()
         # Only at the edge of a top-p-alone row (a token, or a tie of them), where fp32 sums of
         # 151,936 terms in two orders may round either way.
         for row, token in (searched != sorted_rows).nonzero().tolist():

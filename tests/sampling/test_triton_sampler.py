@@ -149,6 +149,33 @@ def test_a_row_draws_the_same_token_beside_filtered_rows():
     assert filtered[16].item() in logits[16].float().topk(5).indices.tolist()
 
 
+def test_a_threshold_draws_what_the_scaled_logits_masked_below_it_draw():
+    """Rows with top-p alone reach the kernels as their logits, their temperature and a threshold on
+    ``logits * (1 / T)``; rows with a top-k as scaled logits drawn at temperature 1. Both draw, seed
+    for seed, what the scaled logits masked below the threshold draw, and top-p alone keeps a row's
+    draw beside a top-k row."""
+    torch.manual_seed(5)
+    logits = (torch.randn(24, 300) * 2).to(torch.bfloat16)
+    temperature = torch.rand(24) + 0.4
+    temperature[7] = 0.0
+    seeds = torch.arange(24, dtype=torch.int64) * 7919 + 11
+    top_p = torch.rand(24) * 0.8 + 0.1
+    scaled = logits.float() * torch.where(temperature > 0, 1 / temperature, 1.0).unsqueeze(-1)
+    threshold = sampler_module.sorted_top_p_threshold(scaled, top_p)
+    expected = sample(scaled.masked_fill(scaled < threshold, float("-inf")), (temperature > 0).float(), seeds)
+    assert sample(logits, temperature, seeds, threshold).tolist() == expected.tolist()
+    alone = SamplingMetadata(temperature, None, top_p, all_greedy=False, all_random=False, seeds=seeds,
+                             top_p_without_top_k=True)
+    assert Sampler(use_triton=True)(logits, alone).sampled_token_ids.tolist() == expected.tolist()
+    top_k = torch.zeros(24, dtype=torch.int32)
+    top_k[23] = 3
+    beside_top_k = _kernel_metadata(temperature, seeds, top_k=top_k, top_p=torch.where(top_k > 0, 1.0, top_p))
+    beside_top_k = SamplingMetadata(**{**beside_top_k.__dict__, "top_p_without_top_k": True})
+    mixed = Sampler(use_triton=True)(logits, beside_top_k).sampled_token_ids
+    assert mixed[:23].tolist() == expected[:23].tolist()
+    assert expected[7].item() == logits[7].float().argmax().item()
+
+
 def test_filtered_rows_follow_the_truncated_softmax():
     """800 draws with top-k 4 over 12 tokens: never outside the top 4, and those follow their
     renormalised probabilities at temperature 0.7."""

@@ -7,15 +7,16 @@ structured-output step's grammar bitmask sets every token a grammar forbids to -
 logits processors (``logits_processors.py``: penalties, bad words, ...) apply, so the greedy argmax
 and both routes see the processed logits; a grammar's row that the processors' bans leave with no
 token falls back to the grammar's mask alone. Greedy rows take the argmax. Random rows are scaled by
-temperature, filtered by min-p and top-k / top-p (a threshold per row: from the row's top
-candidates when it has a top-k, else over its whole row, which the PyTorch route sorts and the
-Triton route searches without a sort, ``triton_top_p.py``), and drawn with the
-exponential race (argmax of p / E with E ~ Exp(1)), which needs no cumulative sums and lets each
-seeded row draw its noise from its own generator, so its tokens do not depend on the batch. A
-Sampler built with ``use_triton`` draws every batch that samples with the Triton sampler instead
-(``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it,
-with a Philox seed per row, so the same independence holds); a batch with min-p, top-k or top-p
-rows filters the scaled logits here first.
+temperature, filtered by min-p and top-k / top-p, and drawn with the exponential race (argmax of
+p / E with E ~ Exp(1)), which needs no cumulative sums and lets each seeded row draw its noise from
+its own generator, so its tokens do not depend on the batch. Top-k / top-p come down to a threshold
+per row on the scaled logits: from the row's top candidates when it has a top-k, else over its
+whole row, which the PyTorch route sorts and the Triton route searches without a sort
+(``triton_top_p.py``, which scales the logits as it reads them). A Sampler built with
+``use_triton`` draws every batch that samples with the Triton sampler instead (``triton_sampler.py``:
+a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it, with a Philox seed per
+row, so the same independence holds), which takes the threshold and skips the tokens below it; only
+min-p and top-k, which read the scaled logits themselves, make a scaled copy here first.
 
 The runner's ``InputBatch`` makes a batch's ``SamplingMetadata`` from its rows' settings when its
 rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it bans and its bitmask.
@@ -38,8 +39,9 @@ from micro_vllm.sampling.logits_processors import (LogitsProcessorsMetadata, Pen
 
 SEED_POOL_SIZE = 4096  # the engine stream's seeds drawn at once for the Triton sampler
 
-# Each row's top-p threshold over its whole row, [n, 1], from logits [n, vocab] and top_p [n].
-WholeRowTopP = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Each row's top-p threshold over its whole row, [n, 1], from logits [n, vocab] and top_p [n], for
+# the logits times the row's inverse temperature [n] when one is given.
+WholeRowTopP = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -140,9 +142,12 @@ def max_top_k(top_k: np.ndarray) -> int | None:
     return 1 << (int(top_k.max()) - 1).bit_length()
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                      max_top_k: int | None, whole_row_top_p: WholeRowTopP | None = None) -> torch.Tensor:
-    """Mask everything outside each row's top-k and then its top-p nucleus with -inf.
+def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                          max_top_k: int | None, whole_row_top_p: WholeRowTopP | None = None,
+                          inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's threshold, float32 [n, 1], on ``logits`` times ``inverse_temperature`` [n] (or on
+    ``logits`` as they are, which a batch with top-k must give scaled): its top-k and then its top-p
+    nucleus are the tokens at least as large (-inf: every token).
 
     Top-k keeps the tokens at least as large as the row's k-th largest logit (all of a tie). Top-p
     then keeps a token when the probability of the tokens strictly above it (within the top-k set)
@@ -153,7 +158,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     ``whole_row_top_p`` is given, and only then) gets its threshold over its whole row from
     ``whole_row_top_p``: ``sorted_top_p_threshold`` or the Triton search (``triton_top_p``).
     ``top_k`` 0 and ``top_p`` 1 turn a row's filter off."""
-    threshold = torch.full_like(logits[:, :1], float("-inf"))
+    threshold = torch.full_like(logits[:, :1], float("-inf"), dtype=torch.float32)
     if top_k is not None:
         candidates = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1).values
         k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
@@ -164,13 +169,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
             threshold = torch.maximum(threshold, _top_p_threshold(logits, candidates, threshold, top_p_of_rows))
     if whole_row_top_p is not None:
         top_p_alone = top_p if top_k is None else torch.where(top_k > 0, 1.0, top_p)
-        threshold = torch.maximum(threshold, whole_row_top_p(logits, top_p_alone))
-    return logits.masked_fill(logits < threshold, float("-inf"))
+        threshold = torch.maximum(threshold, whole_row_top_p(logits, top_p_alone, inverse_temperature))
+    return threshold
 
 
-def sorted_top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The top-p threshold of each whole row, float32 [n, 1], by its definition: from the row
-    sorted (-inf where ``top_p`` is 1)."""
+def sorted_top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor,
+                           inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """The top-p threshold of each whole row, float32 [n, 1], by its definition: from the row (times
+    ``inverse_temperature``) sorted (-inf where ``top_p`` is 1)."""
+    if inverse_temperature is not None:
+        logits = logits.float() * inverse_temperature.unsqueeze(-1)
     return _top_p_threshold(logits, logits.sort(dim=-1, descending=True).values, None, top_p)
 
 
@@ -278,23 +286,28 @@ class Sampler:
             logits = processed
         if metadata.all_greedy:
             return self.argmax(logits)
-        filtered = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
-        if metadata.seeds is not None and not filtered:
-            return self.triton_sample(logits, metadata.temperature, metadata.seeds)
-        logits = logits.float()  # the model's dtype; softmax and the noise want fp32
         temperature = metadata.temperature
-        # Times the reciprocal, as the Triton sampler scales a row: both routes give it the same scores.
-        scaled = logits * torch.where(temperature > 0, 1 / temperature, 1.0).unsqueeze(-1)
-        if metadata.min_p is not None:
-            scaled = apply_min_p(scaled, metadata.min_p)
+        # What the filters read and the draw takes: the logits, scaled by the inverse temperature
+        # inside the top-p search and the draw, or, where min-p or top-k must read them scaled, scaled
+        # here once (and then drawn at temperature 1, which keeps them).
+        scores, scaled, threshold = logits, False, None
+        if metadata.min_p is not None or metadata.top_k is not None:
+            scores, scaled = logits.float() * _inverse_temperature(temperature).unsqueeze(-1), True
+            if metadata.min_p is not None:
+                scores = apply_min_p(scores, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
             whole_row_top_p = self.whole_row_top_p if metadata.top_p_without_top_k else None
-            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p, metadata.max_top_k, whole_row_top_p)
+            threshold = top_k_top_p_threshold(scores, metadata.top_k, metadata.top_p, metadata.max_top_k,
+                                              whole_row_top_p, None if scaled else _inverse_temperature(temperature))
         if metadata.seeds is not None:
-            # Already scaled: temperature 1 keeps a row's scores, and so its draw, those of the
-            # unfiltered path above (a greedy row's argmax survives any filter).
-            return self.triton_sample(scaled, (temperature > 0).float(), metadata.seeds)
-        probs = scaled.softmax(dim=-1)
+            # A greedy row's argmax survives any filter.
+            draw_temperature = (temperature > 0).float() if scaled else temperature
+            return self.triton_sample(scores, draw_temperature, metadata.seeds, threshold)
+        if not scaled:
+            scores = logits.float() * _inverse_temperature(temperature).unsqueeze(-1)
+        if threshold is not None:
+            scores = scores.masked_fill(scores < threshold, float("-inf"))
+        probs = scores.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():
             noise[row].exponential_(generator=generator)
@@ -302,6 +315,12 @@ class Sampler:
         if metadata.all_random:
             return sampled
         return torch.where(temperature > 0, sampled, self.argmax(logits))
+
+
+def _inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """Each row's ``1 / T`` (1 for a greedy row), correctly rounded as the Triton sampler takes it, so
+    that both routes give a row the same scores ``logits * (1 / T)``."""
+    return torch.where(temperature > 0, 1 / temperature, 1.0)
 
 
 def _device_argmax(scores: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ chunk, 1 + i for token i), so a row's draw depends only on its seed and logits: 
 the seed from the request's seed and output position, which keeps seeded requests independent of
 the batch.
 
-Top-k / top-p are not done here: the Sampler masks the scaled logits in PyTorch (``-inf`` tokens are
-never drawn) and passes them here with temperature 1. Both sides scale by the correctly rounded ``1 / T``,
+Top-k / top-p are not found here: the Sampler gives each row a threshold on its scaled logits, and
+tokens below it are never drawn (nor are ``-inf`` ones, as min-p leaves them in logits the Sampler
+scaled itself and passes here with temperature 1). Both sides scale by the correctly rounded ``1 / T``,
 so both routes give a row the same scores and the same draw.
 """
 
@@ -42,10 +43,12 @@ def _load_logits(logits_row, cols, end):
 
 
 @triton.jit
-def _scaled_score(logits_row, cols, end, inverse_temperature):
-    """Base-2 scores ``x / T * log2(e)`` of the tokens ``cols`` before ``end`` (-inf past it); the
-    product ``x * (1 / T)`` is the Sampler's own scaling, so a pre-scaled row keeps its scores."""
-    return _load_logits(logits_row, cols, end) * inverse_temperature * 1.4426950408889634
+def _scaled_score(logits_row, cols, end, inverse_temperature, threshold):
+    """Base-2 scores ``x / T * log2(e)`` of the tokens ``cols`` before ``end`` (-inf past it, and
+    where ``x / T`` is below the row's ``threshold``); the product ``x * (1 / T)`` is the Sampler's
+    own scaling, so a pre-scaled row keeps its scores."""
+    scaled = _load_logits(logits_row, cols, end) * inverse_temperature
+    return tl.where(scaled >= threshold, scaled * 1.4426950408889634, float("-inf"))
 
 
 @triton.jit
@@ -64,7 +67,8 @@ def _first_best(best, best_index, vocab_size):
 
 @triton.jit
 def _chunk_stats_kernel(chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_ptr, logits_stride, temperature_ptr,
-                        vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        threshold_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_THRESHOLD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     logits_row = logits_ptr + row * logits_stride
@@ -82,10 +86,11 @@ def _chunk_stats_kernel(chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_p
         tl.store(chunk_argmax_ptr + out, _first_best(best, best_index, vocab_size))
     else:
         inverse_temperature = tl.div_rn(1.0, temperature)  # correctly rounded, as PyTorch's 1 / T
+        threshold = tl.load(threshold_ptr + row) if HAS_THRESHOLD else float("-inf")
         chunk_max = float("-inf")
         total = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, relative to chunk_max
         for start in range(first, end, BLOCK):
-            score = _scaled_score(logits_row, start + tl.arange(0, BLOCK), end, inverse_temperature)
+            score = _scaled_score(logits_row, start + tl.arange(0, BLOCK), end, inverse_temperature, threshold)
             new_max = tl.maximum(chunk_max, tl.max(score, 0))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf block adds exp2(-inf) = 0
             total = total * tl.exp2(chunk_max - shift) + tl.exp2(score - shift)
@@ -114,8 +119,8 @@ def _pick_chunk(chunk_max_ptr, chunk_sum_ptr, stats, num_chunks, seed, CHUNKS: t
 
 @triton.jit
 def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_ptr, logits_stride,
-                       temperature_ptr, seed_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                       CHUNKS: tl.constexpr):
+                       temperature_ptr, threshold_ptr, seed_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr,
+                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     stats = row * num_chunks
     temperature = tl.load(temperature_ptr + row)
@@ -130,6 +135,7 @@ def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr
         seed = tl.load(seed_ptr + row)
         chunk = _pick_chunk(chunk_max_ptr, chunk_sum_ptr, stats, num_chunks, seed, CHUNKS)
         inverse_temperature = tl.div_rn(1.0, temperature)
+        threshold = tl.load(threshold_ptr + row) if HAS_THRESHOLD else float("-inf")
         logits_row = logits_ptr + row * logits_stride
         first = chunk * CHUNK
         end = tl.minimum(first + CHUNK, vocab_size)
@@ -140,15 +146,18 @@ def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr
         for start in range(first, end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             noise = -tl.log2(-tl.log2(tl.rand(seed, cols + 1)))
-            score = _scaled_score(logits_row, cols, end, inverse_temperature) + noise
+            score = _scaled_score(logits_row, cols, end, inverse_temperature, threshold) + noise
             best, best_index = _keep_best(best, best_index, score, cols)
         token = _first_best(best, best_index, vocab_size)
     tl.store(token_ptr + row, token.to(tl.int64))
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+           threshold: torch.Tensor | None = None) -> torch.Tensor:
     """One int64 token per row of ``logits`` [n, vocab]: greedy where ``temperature`` is 0, else a
-    draw from ``softmax(logits / temperature)`` keyed by the row's int64 ``seeds``."""
+    draw from ``softmax(logits / temperature)`` keyed by the row's int64 ``seeds``, over the tokens
+    whose ``logits / temperature`` is at least the row's ``threshold`` [n, 1] when one is given (the
+    Sampler's top-k / top-p; a greedy row's argmax is always among them)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
@@ -164,11 +173,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor)
     if num_rows:
         temperature = temperature.to(torch.float32)
         _chunk_stats_kernel[(num_rows, num_chunks)](
-            chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, vocab_size, num_chunks,
-            CHUNK=chunk, BLOCK=block,
+            chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, threshold, vocab_size,
+            num_chunks, CHUNK=chunk, BLOCK=block, HAS_THRESHOLD=threshold is not None,
         )
         _pick_token_kernel[(num_rows,)](
-            tokens, chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, seeds, vocab_size,
-            num_chunks, CHUNK=chunk, BLOCK=block, CHUNKS=triton.next_power_of_2(num_chunks),
+            tokens, chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, threshold, seeds,
+            vocab_size, num_chunks, CHUNK=chunk, BLOCK=block, CHUNKS=triton.next_power_of_2(num_chunks),
+            HAS_THRESHOLD=threshold is not None,
         )
     return tokens
