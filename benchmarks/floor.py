@@ -11,8 +11,8 @@ What it counts, a lower bound for every engine (``workloads.py`` ignores EOS, so
   step's own K/V, counted as on-chip tiles. Each later output token is a decode that reads the K/V of
   every earlier token and writes the fed token's. A prefix common to all prompts (shared-prefix's
   system prompt) is prefilled once (prefix caching) and read once per decode step, not per request:
-  the step's requests all read the same blocks, which vLLM's cascade attention reads once and
-  micro-vLLM's decode kernel finds in L2 (docs/benchmarks.md: measured runs beat per-request reads).
+  the step's requests all read the same blocks, which cascade attention (vLLM has it) reads once and
+  micro-vLLM's decode kernel finds in L2 (docs/benchmarks.md: a measured run beats per-request reads).
   No other overlap of the random prompts counts.
 - Weights: every parameter once a step (the tied embedding once, as the LM head; the embedding
   lookup reads only rows, left out), over the fewest steps: the longest request's output length, as
