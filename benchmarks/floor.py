@@ -3,7 +3,7 @@ move through HBM at the GPU's copy rate and the matmul work it must do at the GP
 
     python benchmarks/floor.py                                   # every workload, the bench model, documented rates
     python benchmarks/floor.py --model DIR --kv-cache-dtype fp8 --workload long-context
-    python benchmarks/floor.py --measure --measured recipe=25316 shared-prefix=14422   # on a CUDA GPU
+    python benchmarks/floor.py --measure --measured recipe=TOKS_PER_S   # rates measured on a CUDA GPU
 
 What it counts, a lower bound for every engine (``workloads.py`` ignores EOS, so lengths are known):
 - K/V (a token's K and V over all layers): each output token costs its request's whole context once.
