@@ -14,8 +14,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import torch
-
 QWEN3_0_6B = dict(
     vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -25,6 +23,7 @@ QWEN3_0_6B = dict(
 
 def build_random_model(directory: Path | None = None, **overrides) -> Path:
     """Write a random Qwen3-0.6B-shaped bf16 checkpoint and return its directory."""
+    import torch  # here, so that floor.py reads QWEN3_0_6B without torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     directory = Path(directory or tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))

@@ -18,6 +18,7 @@ from helpers.tiny_models import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cpu  # noqa: E402
+import floor  # noqa: E402
 import sampler_bench  # noqa: E402
 import scheduler_bench  # noqa: E402
 import throughput  # noqa: E402
@@ -418,3 +419,75 @@ def test_peer_workloads_refuses_a_sampling_that_is_not_json_objects(tmp_path):
     run = subprocess.run(["bash", "benchmarks/peer_workloads.sh", str(tmp_path)], cwd=root, capture_output=True,
                          text=True, env={**os.environ, "SAMPLING": "[1]", "OUT": str(tmp_path / "out")})
     assert run.returncode == 2 and "not a JSON object of SamplingParams fields" in run.stderr
+
+
+# A model small enough to count by hand: per layer q, k, v, o 8x8, 8x4, 8x4, 8x8 (heads 2 and 1 of 4),
+# gate, up, down 8x16 each; 2 layers; norms 8 + 8 + 4 + 4 a layer (Qwen3's q/k norms) and 8 at the end.
+TINY_CONFIG = dict(model_type="qwen3", hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=4, vocab_size=32, tie_word_embeddings=True, dtype="bfloat16")
+
+
+def tiny_floor(workload, kv_cache_dtype="auto", bandwidth_tbs=1e-12, tflops=1e-12):
+    """At 1 byte and 1 FLOP a second, the seconds are the bytes and the FLOPs."""
+    return floor.floor(workload, floor.ModelShape.from_config(TINY_CONFIG), kv_cache_dtype, bandwidth_tbs, tflops)
+
+
+def test_floor_counts_a_tiny_workload_by_hand():
+    # Request 1: 3 prompt tokens, 2 outputs; request 2: 5 and 4. No common prefix.
+    result = tiny_floor(floor.Workload([[1, 2, 3], [4, 5, 6, 7, 8]], [2, 4], max_model_len=16))
+    kv_token_bytes = 2 * 1 * 4 * 2 * 2  # layers x KV heads x head_dim x (K, V) x bf16
+    # Decodes read every earlier token: request 1's output 2 reads 3; request 2's outputs 2, 3, 4 read 5, 6, 7.
+    assert result["kv_read_bytes"] == (3 + 5 + 6 + 7) * kv_token_bytes
+    assert result["kv_written_bytes"] == (3 + 1 + 5 + 3) * kv_token_bytes  # prompts and fed outputs
+    params = 2 * (64 + 32 + 32 + 64 + 3 * 128) + 32 * 8 + 2 * 24 + 8
+    assert result["steps"] == 4 and result["weight_bytes"] == 4 * params * 2
+    # 12 tokens through 1,152 layer weights, 6 sampled through the 256 of the LM head; attention pairs:
+    # prefills 1+2+3 and 1+...+5, decodes 4 and 6, 7, 8, each 2 x 2 FLOPs a head's value, 2 heads of 4, 2 layers.
+    assert result["linear_flops"] == 2 * (1152 * 12 + 256 * 6)
+    assert result["attention_flops"] == 4 * 2 * 2 * 4 * (6 + 4 + 15 + 6 + 7 + 8)
+    memory = result["kv_read_bytes"] + result["kv_written_bytes"] + result["weight_bytes"]
+    assert (result["memory_s"], result["compute_s"]) == pytest.approx((memory, 30720 + 2944))
+    assert result["floor_s"] == result["compute_s"] and result["ceiling_tok_per_s"] == pytest.approx(6 / 33664)
+    fast = tiny_floor(floor.Workload([[1, 2, 3], [4, 5, 6, 7, 8]], [2, 4], 16), tflops=1.0)
+    assert fast["floor_s"] == fast["memory_s"] == pytest.approx(memory)
+    # An fp8 cache halves the K/V bytes and nothing else.
+    fp8 = tiny_floor(floor.Workload([[1, 2, 3], [4, 5, 6, 7, 8]], [2, 4], 16), kv_cache_dtype="fp8")
+    assert (2 * fp8["kv_read_bytes"], 2 * fp8["kv_written_bytes"]) == (result["kv_read_bytes"], result["kv_written_bytes"])
+    assert (fp8["weight_bytes"], fp8["linear_flops"], fp8["attention_flops"]) == (
+        result["weight_bytes"], result["linear_flops"], result["attention_flops"])
+
+
+def test_a_shared_prefix_is_written_once_and_read_once_a_step():
+    """Two requests opening with the same 4 tokens, beside the same lengths without the common prefix:
+    each request's reads of its own tokens and its decodes' attention are the same; the prefix is
+    prefilled once instead of twice and read once a decode step instead of once per decoding request."""
+    max_tokens = [3, 2]
+    shared = tiny_floor(floor.Workload([[9, 9, 9, 9, 1, 2], [9, 9, 9, 9, 3]], max_tokens, 16))
+    apart = tiny_floor(floor.Workload([[8, 9, 9, 9, 1, 2], [9, 9, 9, 9, 3]], max_tokens, 16))
+    kv_token_bytes = 32
+    assert apart["kv_read_bytes"] == ((6 + 7) + 5) * kv_token_bytes
+    assert shared["kv_read_bytes"] == apart["kv_read_bytes"] - 4 * (2 + 1 - 2) * kv_token_bytes
+    assert shared["kv_written_bytes"] == apart["kv_written_bytes"] - 4 * kv_token_bytes
+    assert shared["linear_flops"] == apart["linear_flops"] - 2 * 1152 * 4
+    assert shared["attention_flops"] == apart["attention_flops"] - 4 * 2 * 2 * 4 * (1 + 2 + 3 + 4)
+
+
+def test_floor_reproduces_the_documented_recipe_and_long_context_figures(capsys):
+    """docs/benchmarks.md's floors at 4.22 TB/s, from the script's command line."""
+    import json
+
+    results = {r["workload"]: r for r in floor.main(["--workload", "recipe", "long-context", "--measured", "recipe=25316"])}
+    recipe, long = results["recipe"], results["long-context"]
+    assert round((recipe["kv_read_bytes"] + recipe["kv_written_bytes"]) / 1e12, 1) == 13.9
+    assert (round(recipe["weight_bytes"] / 1e12, 2), round(recipe["floor_s"], 1)) == (1.22, 3.6)
+    assert 37_000 < recipe["ceiling_tok_per_s"] < 38_000 and round(recipe["of_ceiling"], 2) == 0.68
+    assert round((long["kv_read_bytes"] + long["kv_written_bytes"]) / 1e12, 1) == 15.5
+    assert (round(long["weight_bytes"] / 1e12, 1), round(long["floor_s"], 1)) == (0.6, 3.8)
+    out = capsys.readouterr().out
+    assert "| recipe | 133,966 | 1,024 | 13.84 + 0.03 | 1.22 |" in out and "| 25,316 | 68% |" in out
+    assert [json.loads(line[len("RESULT "):])["workload"] for line in out.splitlines() if line.startswith("RESULT ")] == [
+        "recipe", "long-context"]
+    for bad in (["--measured", "recipe=fast"], ["--measured", "chat=10"], ["--workload", "recipe", "--measured",
+                                                                             "long-context=3000"]):
+        with pytest.raises(SystemExit):
+            floor.main(bad)
