@@ -390,6 +390,47 @@ def test_vllm_workloads_runs_each_sampling_setting_as_throughput_does(monkeypatc
         throughput.json_object(json.dumps([top_p, seeded]))
 
 
+BENCH_VOCAB = 10_240  # past the workloads' token ids (up to 10,000) and the JSON pieces above them
+
+
+@pytest.fixture(scope="module")
+def small_bench_model(tmp_path_factory) -> Path:
+    """The benchmark checkpoint as bench_model writes it (its tokenizer, its EOS), shrunk to one
+    small layer and a vocabulary of BENCH_VOCAB."""
+    from bench_model import build_random_model
+
+    return build_random_model(tmp_path_factory.mktemp("bench-model"), num_hidden_layers=1, hidden_size=32,
+                              intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              vocab_size=BENCH_VOCAB)
+
+
+def test_bench_tokenizer_keeps_its_words_and_has_what_json_needs(small_bench_model):
+    """Below the JSON pieces every id is still the word t<i>, words joined by spaces (the other
+    workloads' ids, the server benchmark's text); the last ids are JSON's pieces, then EOS, which is
+    the model's EOS too. xgrammar reads every token as the text that decoding gives it."""
+    import json
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from bench_model import EOS_TOKEN, JSON_PIECES
+
+    tokenizer = AutoTokenizer.from_pretrained(small_bench_model)
+    num_words = BENCH_VOCAB - len(JSON_PIECES) - 1
+    assert tokenizer.decode([0, 5, 10_000]) == "t0 t5 t10000"
+    assert tokenizer.encode("t0 t5 t10000", add_special_tokens=False) == [0, 5, 10_000]
+    assert tokenizer.convert_ids_to_tokens(list(range(num_words, BENCH_VOCAB))) == [*JSON_PIECES, EOS_TOKEN]
+    eos = BENCH_VOCAB - 1
+    assert tokenizer.eos_token_id == eos and tokenizer.all_special_ids == [eos]
+    assert json.loads((small_bench_model / "generation_config.json").read_text())["eos_token_id"] == eos
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=BENCH_VOCAB)
+    decoded_vocab = info.decoded_vocab  # each token's text as xgrammar reads it (built on every access)
+    # Every piece, and words spread over the vocabulary, after a piece: no space is dropped.
+    ids = list(range(num_words, eos)) + list(range(0, num_words, 97))
+    assert tokenizer.decode(ids) == b"".join(decoded_vocab[i] for i in ids).decode()
+    assert info.stop_token_ids == [eos]
+
+
 def test_sampler_bench_times_every_case_on_cpu(capsys):
     """The smoke run times each case before and after; its "before" masks the same tokens as the
     engine's top-k / top-p on untied logits, so the two time the same filter."""
