@@ -516,3 +516,19 @@ def test_peer_workloads_refuses_a_sampling_that_is_not_json_objects(tmp_path):
     run = subprocess.run(["bash", "benchmarks/peer_workloads.sh", str(tmp_path)], cwd=root, capture_output=True,
                          text=True, env={**os.environ, "SAMPLING": "[1]", "OUT": str(tmp_path / "out")})
     assert run.returncode == 2 and "not a JSON object of SamplingParams fields" in run.stderr
+
+
+def test_peer_workloads_stops_when_the_extra_wheels_do_not_install(tmp_path):
+    """``EXTRA_WHEELS`` is installed before either engine runs; a folder that installs nothing stops
+    the run there, with pip's message."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "wheels").mkdir()
+    env = {**os.environ, "EXTRA_WHEELS": str(tmp_path / "wheels"), "EXTRA_SITE": str(tmp_path / "site"),
+           "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", "benchmarks/peer_workloads.sh", str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 7 and "EXTRA_WHEELS failed" in run.stdout, run.stdout + run.stderr
+    assert not (tmp_path / "out" / "vllm_workloads.log").exists()
