@@ -59,7 +59,8 @@ OURS_PYTHONPATH=$PWD/src:$PWD/benchmarks
 if [ -n "${EXTRA_WHEELS:-}" ]; then  # after vLLM's wheels and stubs: ahead of them on its path
   EXTRA_SITE=${EXTRA_SITE:-/tmp/site-extra}
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$EXTRA_SITE" \
-    "$EXTRA_WHEELS"/*.whl > "$OUT/extra_wheels.log" 2>&1 || { echo "EXTRA_WHEELS failed"; cat "$OUT/extra_wheels.log"; exit 7; }
+    "$EXTRA_WHEELS"/*.whl > "$OUT/extra_wheels.log" 2>&1 \
+    || { echo "EXTRA_WHEELS failed"; cat "$OUT/extra_wheels.log"; exit 7; }
   VLLM_PYTHONPATH=$EXTRA_SITE${VLLM_PYTHONPATH:+:$VLLM_PYTHONPATH}
   OURS_PYTHONPATH=$OURS_PYTHONPATH:$EXTRA_SITE
 fi

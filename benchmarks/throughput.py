@@ -282,7 +282,8 @@ def main() -> None:
     max_model_len = args.max_model_len or workload.max_model_len
     schema = workload.json_schema
     print(f"workload {args.workload}: {len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens, "
-          f"{sum(max_tokens):,} output tokens{' at most (JSON schema)' if schema else ''}, max_model_len {max_model_len}")
+          f"{sum(max_tokens):,} output tokens{' at most (JSON schema)' if schema else ''}, "
+          f"max_model_len {max_model_len}")
     engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                          attention_backend=args.attention_backend,
                                          kv_cache_dtype=args.kv_cache_dtype,
@@ -308,7 +309,8 @@ def main() -> None:
         by_kind = {k: {"steps": int(phases[k + "_calls"]), "seconds": round(phases[k], 3),
                        "waiting_s": round(phases[k + "_wait"], 3)} for k in STEP_KINDS}
         results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds),
-                                "cut_by_max_tokens": cut, "cached_prompt_tokens": cached, "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
+                                "cut_by_max_tokens": cut, "cached_prompt_tokens": cached,
+                                "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
                                 "triton_compilations": compiled,
                                 "gc_collections": {g: {"count": n, "ms": round(1e3 * s, 1)} for g, (n, s) in pauses.items()}})
         print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
