@@ -18,6 +18,11 @@
 # first when VLLM_DIR holds no vLLM yet: VLLM_DIR holds the first part (vllm.tar.xz.part00),
 # VLLM_BUNDLE the second (vllm.tar.xz.part01), its SHA256, the wheels (whl/) and stubs
 # (docs/benchmarks.md, "How to reproduce").
+# EXTRA_WHEELS, a folder of wheels, is installed into EXTRA_SITE (default /tmp/site-extra), which both
+# engines import ahead of their other packages: the json-schema workload needs the real xgrammar,
+# which vLLM's wheels only stub, and what it imports (pydantic and its needs in the versions of vLLM's
+# wheels, so that shadowing those changes nothing):
+#   EXTRA_WHEELS=.whlso WORKLOADS=json-schema MAX_MODEL_LEN=2048 bash benchmarks/peer_workloads.sh MODEL_DIR
 set -u
 [ $# -eq 1 ] || { echo "usage: bash benchmarks/peer_workloads.sh MODEL_DIR"; exit 2; }
 MODEL=$1
@@ -50,6 +55,15 @@ if [ -n "${VLLM_DIR:-}" ]; then
   fi
   VLLM_PYTHONPATH=$VLLM_DIR:$VLLM_SITE
 fi
+OURS_PYTHONPATH=$PWD/src:$PWD/benchmarks
+if [ -n "${EXTRA_WHEELS:-}" ]; then  # after vLLM's wheels and stubs: ahead of them on its path
+  EXTRA_SITE=${EXTRA_SITE:-/tmp/site-extra}
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$EXTRA_SITE" \
+    "$EXTRA_WHEELS"/*.whl > "$OUT/extra_wheels.log" 2>&1 \
+    || { echo "EXTRA_WHEELS failed"; cat "$OUT/extra_wheels.log"; exit 7; }
+  VLLM_PYTHONPATH=$EXTRA_SITE${VLLM_PYTHONPATH:+:$VLLM_PYTHONPATH}
+  OURS_PYTHONPATH=$OURS_PYTHONPATH:$EXTRA_SITE
+fi
 [ -f "$MODEL/config.json" ] || { echo "no checkpoint in $MODEL (benchmarks/bench_model.py writes one)"; exit 3; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
@@ -67,7 +81,7 @@ done
 for i in "${!runs[@]}"; do  # the time left is shared out evenly among the runs still to come
   workload=${runs[$i]%% *}; setting=${runs[$i]#* }
   log="$OUT/ours_${workload}_$i.log"
-  PYTHONPATH="$PWD/src:$PWD/benchmarks" timeout $(( ($(left) - 5) / (${#runs[@]} - i) )) \
+  PYTHONPATH="$OURS_PYTHONPATH" timeout $(( ($(left) - 5) / (${#runs[@]} - i) )) \
     python3 benchmarks/throughput.py --model "$MODEL" --workload "$workload" --repeat 2 \
     --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE --sampling-params "$setting" > "$log" 2>&1
   echo "== micro-vllm $workload $setting rc=$? ($(( $(date +%s) - T0 ))s into the run)"

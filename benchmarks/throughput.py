@@ -25,20 +25,21 @@ import torch
 
 from bench_model import build_random_model
 from workloads import WORKLOADS, make_workload, request_settings, sampling_settings
-from micro_vllm import LLM, SamplingParams
+from micro_vllm import LLM, SamplingParams, StructuredOutputsParams
 from micro_vllm.executor.multiproc_executor import MultiprocStepOutput
 from micro_vllm.executor.single_process import SingleProcessExecutor
 from micro_vllm.worker.step_output import DeviceStepOutput
 
 
-def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float,
-                   sampling_params: dict | None = None) -> tuple[int, float, int]:
+def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float, sampling_params: dict | None = None,
+                   json_schema: dict | None = None) -> tuple[int, float, int, int]:
     """One timed ``generate`` of the prompts, from an empty prefix cache: an earlier run's cache
     (``--repeat``, the profiles, the recipe before the transformers comparison) would serve them.
     ``sampling_params`` (``--sampling-params``) adds SamplingParams fields to the recipe's, or
-    replaces them (a seed: ``seed + i`` for request i, as on vLLM's side). Returns output tokens,
-    seconds, and prompt tokens the prefix cache served."""
-    params = [recipe_params(n, temperature, request_settings(sampling_params or {}, i))
+    replaces them (a seed: ``seed + i`` for request i, as on vLLM's side); ``json_schema`` (the
+    workload's) constrains every request. Returns output tokens, seconds, prompt tokens the prefix
+    cache served, and requests that max_tokens ended (all of them when EOS is ignored)."""
+    params = [recipe_params(n, temperature, request_settings(sampling_params or {}, i), json_schema)
               for i, n in enumerate(max_tokens)]
     llm.reset_prefix_cache()
     sync()
@@ -47,11 +48,18 @@ def run_micro_vllm(llm: LLM, prompts, max_tokens, temperature: float,
     sync()
     seconds = time.perf_counter() - start
     cached = sum(o.num_cached_tokens for o in outputs)
-    return sum(len(o.outputs[0].token_ids) for o in outputs), seconds, cached
+    cut = sum(o.outputs[0].finish_reason == "length" for o in outputs)
+    return sum(len(o.outputs[0].token_ids) for o in outputs), seconds, cached, cut
 
 
-def recipe_params(max_tokens: int, temperature: float, extra: dict | None) -> SamplingParams:
-    return SamplingParams(**{"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True, **(extra or {})})
+def recipe_params(max_tokens: int, temperature: float, extra: dict | None,
+                  json_schema: dict | None = None) -> SamplingParams:
+    """The recipe's sampling (EOS ignored), or with ``json_schema`` output constrained to that schema
+    and ended by EOS (which the grammar allows once the object is complete); ``extra`` over both."""
+    fields = {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": json_schema is None}
+    if json_schema is not None:
+        fields["structured_outputs"] = StructuredOutputsParams(json=json_schema)
+    return SamplingParams(**{**fields, **(extra or {})})
 
 
 def json_object(text: str) -> dict:
@@ -167,7 +175,7 @@ def triton_compilations() -> int:
 
 
 def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps: int,
-                  sampling_params: dict | None = None) -> str:
+                  sampling_params: dict | None = None, json_schema: dict | None = None) -> str:
     """Profile ``steps`` engine steps after the first ``skip_steps`` of a run of ``prompts`` (from an
     empty prefix cache, so the prompts are computed) and return the kernel table: with 40 skipped,
     decodes; with 1 skipped, prefill steps of the recipe."""
@@ -186,7 +194,7 @@ def profile_steps(llm: LLM, prompts, temperature: float, skip_steps: int, steps:
             return result
         engine.step = profiled_step
         try:
-            params = recipe_params(skip_steps + steps + 8, temperature, sampling_params)
+            params = recipe_params(skip_steps + steps + 8, temperature, sampling_params, json_schema)
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         finally:
             if caller_wrapper is None:
@@ -272,8 +280,10 @@ def main() -> None:
     workload = make_workload(args.workload, args.num_requests)
     prompts, max_tokens = workload.prompts, workload.max_tokens
     max_model_len = args.max_model_len or workload.max_model_len
+    schema = workload.json_schema
     print(f"workload {args.workload}: {len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens, "
-          f"{sum(max_tokens):,} output tokens, max_model_len {max_model_len}")
+          f"{sum(max_tokens):,} output tokens{' at most (JSON schema)' if schema else ''}, "
+          f"max_model_len {max_model_len}")
     engine_args = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                          attention_backend=args.attention_backend,
                                          kv_cache_dtype=args.kv_cache_dtype,
@@ -284,22 +294,27 @@ def main() -> None:
               custom_ops=args.custom_ops, **engine_args)
     startup = time.perf_counter() - start
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
+    if schema is not None:  # compile the schema's grammar and the bitmask kernel before the timed runs
+        llm.generate([[1, 2, 3]], recipe_params(16, args.temperature, None, schema), use_tqdm=False)
 
     results = {"startup_s": round(startup, 1), "num_blocks": llm.engine.num_blocks, "runs": []}
     for _ in range(args.repeat):
         compiled_before = triton_compilations()
         with time_phases(llm) as phases, collector_pauses() as pauses:
-            tokens, seconds, cached = run_micro_vllm(llm, prompts, max_tokens, args.temperature, args.sampling_params)
+            tokens, seconds, cached, cut = run_micro_vllm(llm, prompts, max_tokens, args.temperature,
+                                                          args.sampling_params, schema)
         compiled = triton_compilations() - compiled_before
         steps = int(phases["schedule_calls"])
         breakdown = {k: round(1e6 * phases[k] / steps) for k in PHASES}
         by_kind = {k: {"steps": int(phases[k + "_calls"]), "seconds": round(phases[k], 3),
                        "waiting_s": round(phases[k + "_wait"], 3)} for k in STEP_KINDS}
         results["runs"].append({"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds),
-                                "cached_prompt_tokens": cached, "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
+                                "cut_by_max_tokens": cut, "cached_prompt_tokens": cached,
+                                "steps": steps, "us_per_step": breakdown, "time_by_step_kind": by_kind,
                                 "triton_compilations": compiled,
                                 "gc_collections": {g: {"count": n, "ms": round(1e3 * s, 1)} for g, (n, s) in pauses.items()}})
         print(f"micro-vllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
+              + (f"{cut} of {len(prompts)} requests cut by max_tokens; " if schema else "") +
               f"{steps} steps, mean us/step {breakdown}; Triton compilations during the run: {compiled}; "
               f"prompt tokens from the prefix cache: {cached:,}; garbage collections (generation: count, ms) "
               + ", ".join(f"{g}: {n}, {1e3 * s:.1f}" for g, (n, s) in pauses.items()))
@@ -310,15 +325,15 @@ def main() -> None:
     if args.profile:  # prefill steps, the full batch's decodes, and the long tail's few requests
         print("kernel profile, the recipe's 2nd and 3rd steps (prefill chunks of the 16,384-token budget):")
         print(profile_steps(llm, prompts, args.temperature, skip_steps=1, steps=2,
-                            sampling_params=args.sampling_params))
+                            sampling_params=args.sampling_params, json_schema=schema))
         for n in (len(prompts), 8):
             print(f"kernel profile, steps of {n} decodes:")
             print(profile_steps(llm, prompts[:n], args.temperature, skip_steps=40, steps=10,
-                                sampling_params=args.sampling_params))
+                                sampling_params=args.sampling_params, json_schema=schema))
 
     if args.compare_hf:
         n, budget = args.compare_hf, args.hf_max_tokens
-        tokens, seconds, _ = run_micro_vllm(llm, prompts[:n], [budget] * n, args.temperature, args.sampling_params)
+        tokens, seconds, *_ = run_micro_vllm(llm, prompts[:n], [budget] * n, args.temperature, args.sampling_params)
         results["compare_micro_vllm"] = {"requests": n, "output_tokens": tokens, "seconds": round(seconds, 3)}
         print(f"micro-vllm on {n} requests x {budget} tokens: {tokens / seconds:,.0f} tok/s ({seconds:.2f} s)")
         llm.shutdown()

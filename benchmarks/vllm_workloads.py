@@ -16,6 +16,11 @@ throughput.py (temperature 0.6, EOS ignored) and, for each ``--sampling-params``
 (a JSON object or a list of them; repeatable), that setting's fields added to every request as
 throughput.py adds them (a seed: ``seed + i`` for request i). Each run prints ``RESULT {json}`` with
 its output tokens per second and its setting.
+
+A workload with a JSON schema (json-schema) constrains every request to it on vLLM's xgrammar
+backend, as micro-vLLM does, and ends each at EOS. The engine then loads the checkpoint's tokenizer
+(vLLM maps a grammar to token ids with it; outputs are still not detokenized), and the warm-up
+compiles the schema's grammar, which xgrammar caches for the timed runs.
 """
 
 from __future__ import annotations
@@ -45,6 +50,16 @@ def engine_config(llm) -> dict:
         return {"error": repr(e)}
 
 
+def constraint(json_schema: dict | None) -> dict:
+    """SamplingParams fields for a workload's schema: EOS ignored without one; with one, the output
+    constrained to it (vLLM's ``StructuredOutputsParams``) and ended by EOS, as throughput.py does."""
+    if json_schema is None:
+        return {"ignore_eos": True}
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return {"ignore_eos": False, "structured_outputs": StructuredOutputsParams(json=json_schema)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory")
@@ -63,12 +78,15 @@ def main(argv: list[str] | None = None) -> None:
 
     workloads = {name: make_workload(name) for name in args.workload}
     max_model_len = args.max_model_len or max(w.max_model_len for w in workloads.values())
+    schemas = [w.json_schema for w in workloads.values() if w.json_schema is not None]
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=0.9,
-              skip_tokenizer_init=True, seed=0, kv_cache_dtype=args.kv_cache_dtype)
+              skip_tokenizer_init=not schemas, seed=0, kv_cache_dtype=args.kv_cache_dtype,
+              structured_outputs_config={"backend": "xgrammar"})
     startup = time.perf_counter() - start
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}],
-                 [SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False)], use_tqdm=False)
+    warm_up = [None] + schemas  # each schema's grammar is compiled here, and the bitmask kernel launched
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}] * len(warm_up),
+                 [SamplingParams(max_tokens=16, detokenize=False, **constraint(s)) for s in warm_up], use_tqdm=False)
     result(dict(step="vllm_start", system=f"vLLM {vllm.__version__}", startup_s=round(startup, 1),
                 max_model_len=max_model_len, kv_cache_dtype=args.kv_cache_dtype,
                 config=engine_config(llm)))
@@ -76,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     for setting in settings:
         for name, workload in workloads.items():
             inputs = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
-            params = [SamplingParams(**{"temperature": TEMPERATURE, "ignore_eos": True, "max_tokens": n,
-                                        "detokenize": False, **request_settings(setting, i)})
+            params = [SamplingParams(**{"temperature": TEMPERATURE, "max_tokens": n, "detokenize": False,
+                                        **constraint(workload.json_schema), **request_settings(setting, i)})
                       for i, n in enumerate(workload.max_tokens)]
             for run in range(1, args.repeat + 1):
                 llm.reset_prefix_cache()  # a run's prompts must not be served by the run before
@@ -87,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
                 result(dict(step="vllm_workload", workload=name, sampling=setting, run=run, requests=len(inputs),
                             output_tokens=tokens, seconds=round(seconds, 3), tok_per_s=round(tokens / seconds, 1),
+                            cut_by_max_tokens=sum(o.outputs[0].finish_reason == "length" for o in outputs),
                             cached_prompt_tokens=sum(o.num_cached_tokens or 0 for o in outputs)))
 
 

@@ -1,8 +1,8 @@
 """The throughput workloads, as prompt token ids and output lengths, for both engines.
 
 Pure Python on purpose: ``throughput.py`` runs them on micro-vLLM and ``vllm_workloads.py`` on vLLM,
-so the two engines get the very same requests. Every request ignores EOS, so the output tokens are
-exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,000 as in the recipe.
+so the two engines get the very same requests. Every request but json-schema's ignores EOS, so the
+output tokens are exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,000 as in the recipe.
 
 - ``recipe``: nano-vllm's bench (docs/benchmarks.md, "The recipe"): 256 prompts of 100 to 1,024
   random tokens, then 100 to 1,024 output tokens each, drawn in that order after seeding with 0.
@@ -14,6 +14,8 @@ exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,000 as in the recipe
   contexts dominates, and the prompts take most of the KV cache.
 - ``long-context-prefill``: the same prompts with one output token each, the same ``max_model_len``:
   an engine's prefill of long-context alone, which splits its run into prefill and decode.
+- ``json-schema``: the recipe's prompts, each answered by one JSON object of ``PRODUCT_SCHEMA``
+  (structured output: xgrammar's token bitmask each step); it ends where the object does (``json_schema``).
 
 Both engines also take the same sampling settings (``--sampling-params``): fields of SamplingParams,
 which both engines name alike, added to every request's (``request_settings``).
@@ -34,6 +36,9 @@ class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
     max_model_len: int  # fits the longest prompt plus its output
+    # Every request's output must be JSON this schema accepts, and EOS is not ignored; None: no
+    # constraint, EOS ignored.
+    json_schema: dict | None = None
 
 
 def recipe(num_requests: int = 256, seed: int = 0) -> Workload:
@@ -62,8 +67,50 @@ def long_context_prefill(num_requests: int = 32, seed: int = 0) -> Workload:
     return Workload(full.prompts, [1] * num_requests, max_model_len=full.max_model_len)
 
 
+# A product record as an extraction request would ask for it: typed fields, an enum, bounded numbers,
+# strings with a maxLength, arrays with maxItems, nested objects. Every part has a longest form, so the
+# object always ends (see ``json_schema``).
+PRODUCT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+        "name": {"type": "string", "maxLength": 32},
+        "category": {"enum": ["books", "electronics", "clothing", "garden", "toys"]},
+        "price": {"type": "number", "minimum": 0, "maximum": 1000},
+        "in_stock": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 5},
+        "reviews": {"type": "array", "maxItems": 3, "items": {
+            "type": "object",
+            "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5},
+                           "text": {"type": "string", "maxLength": 80}},
+            "required": ["stars", "text"], "additionalProperties": False}},
+        "summary": {"type": "string", "maxLength": 120},
+    },
+    "required": ["id", "name", "category", "price", "in_stock", "tags", "reviews", "summary"],
+    "additionalProperties": False,
+}
+
+
+def json_schema(num_requests: int = 256, seed: int = 0, max_tokens: int = 1024) -> Workload:
+    """The recipe's prompts, each answered by one JSON object of ``PRODUCT_SCHEMA``: grammar-constrained
+    decoding, in which each step fills every request's bitmask of allowed tokens on the host (xgrammar)
+    and masks the logits with it.
+
+    EOS is not ignored: the grammar allows EOS once the object is complete, and then nothing else, so a
+    request ends with its object. ``max_tokens`` is only a cap: the schema bounds every string, number
+    and array, so its objects are about 100 to 300 tokens on the benchmark checkpoint (whose tokenizer
+    has JSON's characters, ``bench_model.JSON_PIECES``; its random weights choose among the allowed
+    tokens at random). Only an object made mostly of ``\\uXXXX`` escapes, six tokens a character,
+    could reach the cap. Throughput is the output tokens each engine made, over its seconds: the two
+    engines sample different objects, so their token counts differ, and both are reported.
+    """
+    prompts = recipe(num_requests, seed).prompts
+    return Workload(prompts, [max_tokens] * num_requests, max_model_len=1024 + max_tokens,
+                    json_schema=PRODUCT_SCHEMA)
+
+
 WORKLOADS = {"recipe": recipe, "shared-prefix": shared_prefix, "long-context": long_context,
-             "long-context-prefill": long_context_prefill}
+             "long-context-prefill": long_context_prefill, "json-schema": json_schema}
 
 
 def make_workload(name: str, num_requests: int | None = None) -> Workload:

@@ -41,7 +41,7 @@ def test_throughput_phase_timers_count_every_step_and_unwrap(tmp_path):
     prompts = [[1 + i] * (5 + 9 * i) for i in range(6)]
     max_tokens = [3 + 2 * i for i in range(6)]
     with throughput.time_phases(llm) as phases:
-        tokens, _, _ = throughput.run_micro_vllm(llm, prompts, max_tokens, temperature=0.6)
+        tokens, *_ = throughput.run_micro_vllm(llm, prompts, max_tokens, temperature=0.6)
     assert tokens == sum(max_tokens)
     steps = phases["step_calls"]
     assert steps > 0 and all(phases[name + "_calls"] == steps for name in ("schedule", "execute"))
@@ -290,8 +290,13 @@ def test_workloads_are_deterministic_pure_python_and_have_their_promised_shapes(
     assert len({tuple(p) for p in long.prompts}) == 32
     prefill = workloads.make_workload("long-context-prefill")  # the same requests, one token out
     assert (prefill.prompts, prefill.max_tokens, prefill.max_model_len) == (long.prompts, [1] * 32, long.max_model_len)
+    # json-schema: the recipe's prompts, each constrained to the schema, max_tokens only a cap.
+    constrained = workloads.make_workload("json-schema")
+    assert constrained.prompts == recipe.prompts and constrained.max_tokens == [1024] * 256
+    assert constrained.json_schema is workloads.PRODUCT_SCHEMA
+    assert all(w.json_schema is None for w in (recipe, shared, long, prefill))
 
-    for w in (recipe, shared, long):
+    for w in (recipe, shared, long, constrained):
         assert all(len(p) + n <= w.max_model_len for p, n in zip(w.prompts, w.max_tokens))
         assert all(0 <= t <= 10000 for p in w.prompts for t in p)
     assert workloads.make_workload("shared-prefix", 3).prompts == shared.prompts[:3]
@@ -318,12 +323,16 @@ def fake_vllm(monkeypatch) -> list:
         def generate(self, inputs, params, use_tqdm):
             assert len(inputs) == len(params) and not use_tqdm
             calls.append(("generate", [i["prompt_token_ids"] for i in inputs], params))
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * p.max_tokens)],
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * p.max_tokens,
+                                                                         finish_reason="length")],
                                           num_cached_tokens=None) for p in params]
 
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, types.SimpleNamespace, "0.24.0"
+    fake.sampling_params = types.ModuleType("vllm.sampling_params")
+    fake.sampling_params.StructuredOutputsParams = types.SimpleNamespace
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", fake.sampling_params)
     return calls
 
 
@@ -351,9 +360,9 @@ def test_vllm_workloads_runs_each_workload_from_an_empty_prefix_cache(monkeypatc
     assert all((p.temperature, p.ignore_eos, p.detokenize) == (0.6, True, False) for p in params)
     results = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()]
     assert results[0]["step"] == "vllm_start" and "error" in results[0]["config"]
-    runs = [(r["workload"], r["run"], r["output_tokens"]) for r in results[1:]]
-    assert runs == [("long-context", 1, 32 * 512), ("long-context", 2, 32 * 512),
-                    ("recipe", 1, sum(recipe.max_tokens)), ("recipe", 2, sum(recipe.max_tokens))]
+    runs = [(r["workload"], r["run"], r["output_tokens"], r["cut_by_max_tokens"]) for r in results[1:]]
+    assert runs == [("long-context", 1, 32 * 512, 32), ("long-context", 2, 32 * 512, 32),
+                    ("recipe", 1, sum(recipe.max_tokens), 256), ("recipe", 2, sum(recipe.max_tokens), 256)]
     assert all(r["sampling"] == {} for r in results[1:])
 
 
@@ -389,6 +398,100 @@ def test_vllm_workloads_runs_each_sampling_setting_as_throughput_does(monkeypatc
             workloads.sampling_settings(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="runs one"):
         throughput.json_object(json.dumps([top_p, seeded]))
+
+
+def test_vllm_workloads_constrains_the_json_schema_workload_as_throughput_does(monkeypatch, capsys):
+    """json-schema on vLLM: the engine loads the tokenizer and uses xgrammar, the warm-up compiles the
+    schema, and every timed request is constrained to it and ends at EOS, with the fields throughput.py
+    gives micro-vLLM's requests; the recipe in the same engine stays unconstrained, EOS ignored."""
+    import json
+
+    import vllm_workloads
+    import workloads
+
+    calls = fake_vllm(monkeypatch)
+    vllm_workloads.main(["--model", "/m", "--workload", "json-schema", "recipe"])
+    init = calls[0][1]
+    assert (init["skip_tokenizer_init"], init["structured_outputs_config"], init["max_model_len"]) == (
+        False, {"backend": "xgrammar"}, 4096)
+    warm_up = calls[1][2]
+    assert [p.ignore_eos for p in warm_up] == [True, False]
+    assert warm_up[1].structured_outputs.json is workloads.PRODUCT_SCHEMA
+    constrained, recipe = [c[2] for c in calls[2:] if c[0] == "generate"]
+    ours = throughput.recipe_params(1024, 0.6, None, workloads.PRODUCT_SCHEMA)
+    assert all((p.ignore_eos, p.max_tokens, p.temperature) == (ours.ignore_eos, 1024, 0.6) for p in constrained)
+    assert all(p.structured_outputs.json is ours.structured_outputs.json for p in constrained)
+    assert not ours.ignore_eos and all(p.ignore_eos and not hasattr(p, "structured_outputs") for p in recipe)
+    results = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["workload"], r["requests"]) for r in results[1:]] == [("json-schema", 256), ("recipe", 256)]
+
+
+BENCH_VOCAB = 10_240  # past the workloads' token ids (up to 10,000) and the JSON pieces above them
+
+
+@pytest.fixture(scope="module")
+def small_bench_model(tmp_path_factory) -> Path:
+    """The benchmark checkpoint as bench_model writes it (its tokenizer, its EOS), shrunk to one
+    small layer and a vocabulary of BENCH_VOCAB."""
+    from bench_model import build_random_model
+
+    return build_random_model(tmp_path_factory.mktemp("bench-model"), num_hidden_layers=1, hidden_size=32,
+                              intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              vocab_size=BENCH_VOCAB)
+
+
+def test_bench_tokenizer_keeps_its_words_and_has_what_json_needs(small_bench_model):
+    """Below the JSON pieces every id is still the word t<i>, words joined by spaces (the other
+    workloads' ids, the server benchmark's text); the last ids are JSON's pieces, then EOS, which is
+    the model's EOS too. xgrammar reads every token as the text that decoding gives it."""
+    import json
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from bench_model import EOS_TOKEN, JSON_PIECES
+
+    tokenizer = AutoTokenizer.from_pretrained(small_bench_model)
+    num_words = BENCH_VOCAB - len(JSON_PIECES) - 1
+    assert tokenizer.decode([0, 5, 10_000]) == "t0 t5 t10000"
+    assert tokenizer.encode("t0 t5 t10000", add_special_tokens=False) == [0, 5, 10_000]
+    assert tokenizer.convert_ids_to_tokens(list(range(num_words, BENCH_VOCAB))) == [*JSON_PIECES, EOS_TOKEN]
+    eos = BENCH_VOCAB - 1
+    assert tokenizer.eos_token_id == eos and tokenizer.all_special_ids == [eos]
+    assert json.loads((small_bench_model / "generation_config.json").read_text())["eos_token_id"] == eos
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=BENCH_VOCAB)
+    decoded_vocab = info.decoded_vocab  # each token's text as xgrammar reads it (built on every access)
+    # Every piece, and words spread over the vocabulary, after a piece: no space is dropped.
+    ids = list(range(num_words, eos)) + list(range(0, num_words, 97))
+    assert tokenizer.decode(ids) == b"".join(decoded_vocab[i] for i in ids).decode()
+    assert info.stop_token_ids == [eos]
+
+
+def test_json_schema_workload_ends_each_request_with_a_schema_valid_object(small_bench_model):
+    """micro-vLLM on the CPU runs json-schema's first requests (seeded) on the shrunk benchmark
+    checkpoint: each ends at EOS, where its object ends, long before max_tokens; its text is JSON
+    that validates against the schema, and exactly the text of the tokens the grammar accepted."""
+    import json
+
+    import jsonschema
+    import xgrammar as xgr
+
+    import workloads
+
+    workload = workloads.make_workload("json-schema", 3)
+    llm = LLM(model=str(small_bench_model), device="cpu", dtype="float32", max_model_len=workload.max_model_len)
+    generate, outputs = llm.generate, []
+    llm.generate = lambda *args, **kwargs: outputs.extend(generate(*args, **kwargs)) or outputs
+    tokens, _, _, cut = throughput.run_micro_vllm(llm, workload.prompts, workload.max_tokens, 0.6, {"seed": 0},
+                                                  workload.json_schema)
+    assert cut == 0 and tokens == sum(len(o.outputs[0].token_ids) for o in outputs)
+    decoded_vocab = xgr.TokenizerInfo.from_huggingface(llm.get_tokenizer(), vocab_size=BENCH_VOCAB).decoded_vocab
+    eos = BENCH_VOCAB - 1
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop" and completion.token_ids[-1] == eos
+        assert completion.text == b"".join(decoded_vocab[t] for t in completion.token_ids[:-1]).decode()
+        jsonschema.validate(json.loads(completion.text), workload.json_schema)
 
 
 def test_sampler_bench_times_every_case_on_cpu(capsys):
@@ -491,3 +594,19 @@ def test_floor_reproduces_the_documented_recipe_and_long_context_figures(capsys)
                                                                              "long-context=3000"]):
         with pytest.raises(SystemExit):
             floor.main(bad)
+
+
+def test_peer_workloads_stops_when_the_extra_wheels_do_not_install(tmp_path):
+    """``EXTRA_WHEELS`` is installed before either engine runs; a folder that installs nothing stops
+    the run there, with pip's message."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "wheels").mkdir()
+    env = {**os.environ, "EXTRA_WHEELS": str(tmp_path / "wheels"), "EXTRA_SITE": str(tmp_path / "site"),
+           "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", "benchmarks/peer_workloads.sh", str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 7 and "EXTRA_WHEELS failed" in run.stdout, run.stdout + run.stderr
+    assert not (tmp_path / "out" / "vllm_workloads.log").exists()
