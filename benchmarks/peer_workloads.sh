@@ -13,24 +13,13 @@
 # one process, micro-vLLM one process per workload and setting. Top-p alone and penalties on the recipe:
 #   WORKLOADS=recipe MAX_MODEL_LEN=4096 SAMPLING='[{"top_p": 0.95}, {"repetition_penalty": 1.1}]' \
 #     bash benchmarks/peer_workloads.sh MODEL_DIR
-# vLLM 0.24 is imported as the environment has it, or from VLLM_DIR (with the wheels it imports in
-# VLLM_SITE, default /tmp/site) when that is set. A bundle packed in two parts is unpacked there
-# first when VLLM_DIR holds no vLLM yet: VLLM_DIR holds the first part (vllm.tar.xz.part00),
-# VLLM_BUNDLE the second (vllm.tar.xz.part01), its SHA256, the wheels (whl/) and stubs
-# (docs/benchmarks.md, "How to reproduce").
-# EXTRA_WHEELS, a folder of wheels, is installed into EXTRA_SITE (default /tmp/site-extra), which both
-# engines import ahead of their other packages: the json-schema workload needs the real xgrammar,
-# which vLLM's wheels only stub, and what it imports (pydantic and its needs in the versions of vLLM's
-# wheels, so that shadowing those changes nothing):
+# The environment (vLLM from a bundle, EXTRA_WHEELS) is benchmarks/peer_env.sh's. The json-schema
+# workload needs the real xgrammar, which vLLM's wheels only stub, and what it imports (pydantic and its
+# needs in the versions of vLLM's wheels, so that shadowing those changes nothing), as EXTRA_WHEELS:
 #   EXTRA_WHEELS=.whlso WORKLOADS=json-schema MAX_MODEL_LEN=2048 bash benchmarks/peer_workloads.sh MODEL_DIR
 set -u
 [ $# -eq 1 ] || { echo "usage: bash benchmarks/peer_workloads.sh MODEL_DIR"; exit 2; }
 MODEL=$1
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
-OUT=${OUT:-/tmp/peers-out}; mkdir -p "$OUT"
-T0=$(date +%s); DEADLINE=$(( T0 + ${BUDGET_S:-540} ))
-left() { echo $(( DEADLINE - $(date +%s) )); }
 WORKLOADS=${WORKLOADS:-shared-prefix long-context}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8512}  # the long-context workload's 8,000 prompt tokens + 512 output tokens
 KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-auto}
@@ -39,33 +28,7 @@ SAMPLING=${SAMPLING:-'[{}]'}
 SETTINGS=$(cd benchmarks && python3 -c 'import json, sys, workloads
 print("\n".join(json.dumps(s) for s in workloads.sampling_settings(sys.argv[1])))' "$SAMPLING") || exit 2
 
-VLLM_PYTHONPATH=${PYTHONPATH:-}
-if [ -n "${VLLM_DIR:-}" ]; then
-  VLLM_SITE=${VLLM_SITE:-/tmp/site}
-  if [ ! -d "$VLLM_DIR/vllm" ]; then
-    [ -n "${VLLM_BUNDLE:-}" ] || { echo "no vLLM in $VLLM_DIR, and no VLLM_BUNDLE to unpack"; exit 3; }
-    [ -f "$VLLM_DIR/vllm.tar.xz.part00" ] || { echo "no vLLM part 1 (vllm.tar.xz.part00) in $VLLM_DIR"; exit 3; }
-    {
-      cat "$VLLM_DIR/vllm.tar.xz.part00" "$VLLM_BUNDLE/vllm.tar.xz.part01" > "$VLLM_DIR/vllm.tar.xz"
-      echo "$(cat "$VLLM_BUNDLE/SHA256")  $VLLM_DIR/vllm.tar.xz" | sha256sum -c - || exit 4
-      xz -dc "$VLLM_DIR/vllm.tar.xz" | tar -x -C "$VLLM_DIR" && rm -f "$VLLM_DIR/vllm.tar.xz"
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$VLLM_SITE" "$VLLM_BUNDLE"/whl/*.whl || exit 5
-      cp -r "$VLLM_BUNDLE"/stubs/* "$VLLM_SITE/"
-    } > "$OUT/unpack.log" 2>&1 || { echo "unpack failed"; cat "$OUT/unpack.log"; exit 6; }
-  fi
-  VLLM_PYTHONPATH=$VLLM_DIR:$VLLM_SITE
-fi
-OURS_PYTHONPATH=$PWD/src:$PWD/benchmarks
-if [ -n "${EXTRA_WHEELS:-}" ]; then  # after vLLM's wheels and stubs: ahead of them on its path
-  EXTRA_SITE=${EXTRA_SITE:-/tmp/site-extra}
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$EXTRA_SITE" \
-    "$EXTRA_WHEELS"/*.whl > "$OUT/extra_wheels.log" 2>&1 \
-    || { echo "EXTRA_WHEELS failed"; cat "$OUT/extra_wheels.log"; exit 7; }
-  VLLM_PYTHONPATH=$EXTRA_SITE${VLLM_PYTHONPATH:+:$VLLM_PYTHONPATH}
-  OURS_PYTHONPATH=$OURS_PYTHONPATH:$EXTRA_SITE
-fi
-[ -f "$MODEL/config.json" ] || { echo "no checkpoint in $MODEL (benchmarks/bench_model.py writes one)"; exit 3; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+. benchmarks/peer_env.sh
 
 PYTHONPATH=$VLLM_PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout $(( $(left) < 300 ? $(left) : 300 )) \
   python3 benchmarks/vllm_workloads.py --model "$MODEL" --workload $WORKLOADS --repeat 2 \
