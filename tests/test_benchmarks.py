@@ -596,9 +596,11 @@ def test_floor_reproduces_the_documented_recipe_and_long_context_figures(capsys)
             floor.main(bad)
 
 
-def test_peer_workloads_stops_when_the_extra_wheels_do_not_install(tmp_path):
-    """``EXTRA_WHEELS`` is installed before either engine runs; a folder that installs nothing stops
-    the run there, with pip's message."""
+@pytest.mark.parametrize("script, first_log", [("peer_workloads.sh", "vllm_workloads.log"),
+                                                ("peer_serving.sh", "vllm_server.log")])
+def test_the_peer_scripts_stop_when_the_extra_wheels_do_not_install(tmp_path, script, first_log):
+    """``EXTRA_WHEELS`` is installed (benchmarks/peer_env.sh) before either engine runs; a folder that
+    installs nothing stops the run there, with pip's message."""
     import os
     import subprocess
 
@@ -606,7 +608,27 @@ def test_peer_workloads_stops_when_the_extra_wheels_do_not_install(tmp_path):
     (tmp_path / "wheels").mkdir()
     env = {**os.environ, "EXTRA_WHEELS": str(tmp_path / "wheels"), "EXTRA_SITE": str(tmp_path / "site"),
            "OUT": str(tmp_path / "out")}
-    run = subprocess.run(["bash", "benchmarks/peer_workloads.sh", str(tmp_path)], cwd=root, capture_output=True,
+    run = subprocess.run(["bash", f"benchmarks/{script}", str(tmp_path)], cwd=root, capture_output=True,
                          text=True, env=env)
     assert run.returncode == 7 and "EXTRA_WHEELS failed" in run.stdout, run.stdout + run.stderr
-    assert not (tmp_path / "out" / "vllm_workloads.log").exists()
+    assert not (tmp_path / "out" / first_log).exists()
+
+
+def test_peer_serving_checks_its_engines_and_the_checkpoint_before_starting_a_server(tmp_path):
+    """An engine name it does not know stops the run before anything is set up; so does a folder
+    without a checkpoint, once the environment is (no server log is written)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "ENGINES": "vllm sglang"}
+    env.pop("EXTRA_WHEELS", None)
+    env.pop("VLLM_DIR", None)
+    run = subprocess.run(["bash", "benchmarks/peer_serving.sh", str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 2 and "'sglang' is none of vllm, ours" in run.stdout, run.stdout + run.stderr
+    assert not (tmp_path / "out").exists()
+    run = subprocess.run(["bash", "benchmarks/peer_serving.sh", str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, env={**env, "ENGINES": "ours"})
+    assert run.returncode == 3 and f"no checkpoint in {tmp_path}" in run.stdout, run.stdout + run.stderr
+    assert list((tmp_path / "out").iterdir()) == []
