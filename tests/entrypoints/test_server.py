@@ -22,21 +22,19 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.server import make_tiny_chat_model, metric, serve
+from helpers.server import TINY_CHAT_SERVER, metric, serve
 from helpers.tiny_models import BOS_TOKEN_ID, make_tiny_model
 
-API_KEY = "test-key"
-MODEL = "tiny"
-MAX_MODEL_LEN = 128
+API_KEY = TINY_CHAT_SERVER.api_key
+MODEL = TINY_CHAT_SERVER.served_model_name
+MAX_MODEL_LEN = TINY_CHAT_SERVER.max_model_len
 PROMPTS = ["Hello", "The sky is", "1, 2, 3,", "Once upon a time", "abc", "Paris is", "def f(x):", "Why"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = make_tiny_chat_model(tmp_path_factory.mktemp("serve"))
-    with serve(str(path), "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--block-size", "8") as url:
-        yield url
+def server(tiny_chat_server):
+    """The server test_server_vllm_fields.py and test_bad_requests.py share (tests/entrypoints/conftest.py)."""
+    return tiny_chat_server.url
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +216,7 @@ def test_error_statuses(server, client):
     body = error(http.post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400)
     assert body["param"] == "temperature" and "-1" in body["message"]
     body = error(http.post("/v1/completions", json={"prompt": "x" * MAX_MODEL_LEN}), 400)
-    assert "maximum context length is 128" in body["message"]
+    assert f"maximum context length is {MAX_MODEL_LEN}" in body["message"]
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * MAX_MODEL_LEN}])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -238,7 +236,7 @@ def test_models_tokenize_detokenize_and_metrics(server, client):
     assert model.id == MODEL and model.max_model_len == MAX_MODEL_LEN
     http = httpx.Client(base_url=server)
     tokens = http.post("/tokenize", json={"prompt": "héllo"}).json()
-    assert tokens["tokens"] == list("héllo".encode()) and tokens["count"] == 6 and tokens["max_model_len"] == 128
+    assert tokens["tokens"] == list("héllo".encode()) and tokens["count"] == 6 and tokens["max_model_len"] == MAX_MODEL_LEN
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == [BOS_TOKEN_ID, *b"user: hi\nassistant:"]

@@ -36,6 +36,31 @@ def make_tiny_chat_model(directory: Path) -> Path:
     return path
 
 
+@dataclasses.dataclass(frozen=True)
+class TinyChatServer:
+    """The settings of the tiny chat model's server that test_server.py, test_server_vllm_fields.py
+    and test_bad_requests.py share (the ``tiny_chat_server`` fixture of tests/entrypoints/conftest.py:
+    one start-up, not three); each module's tests rely on some of them. Its other flags:
+    ``--max-num-seqs 16 --max-num-batched-tokens 256 --block-size 8 --enable-log-requests``."""
+
+    served_model_name: str = "tiny"
+    api_key: str = "test-key"
+    max_model_len: int = 128
+    max_logprobs: int = 10  # not the default (20), so that the flag is seen to work
+    max_request_body_bytes: int = 4_000_000
+    max_log_len: int = 12
+
+    def flags(self) -> list[str]:
+        return ["--served-model-name", self.served_model_name, "--api-key", self.api_key,
+                "--max-model-len", str(self.max_model_len), "--max-logprobs", str(self.max_logprobs),
+                "--max-request-body-bytes", str(self.max_request_body_bytes), "--enable-log-requests",
+                "--max-log-len", str(self.max_log_len), "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
+                "--block-size", "8"]
+
+
+TINY_CHAT_SERVER = TinyChatServer()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
