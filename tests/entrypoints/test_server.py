@@ -1,7 +1,9 @@
 """A real ``micro-vllm serve`` process on a tiny model, driven with the official ``openai`` client:
 completions and chat, streamed and not, stop strings, usage; a client that disconnects mid-stream is
 aborted and its blocks freed, and one that leaves before its first token is never prefilled (a server
-of its own, with one slot); vLLM's metric families and what requests add to them; a load of concurrent
+of its own, with one slot; then its engine is killed: a stream in flight ends with the engine's error
+and the server exits with status 1, saying why in its log, as vLLM's API server exits so that a
+supervisor starts a fresh one); vLLM's metric families and what requests add to them; a load of concurrent
 streaming clients with disconnects and malformed requests mixed in; error statuses. Fields that other
 parts of the engine add (``n``, logprobs, penalties, logit_bias) are tested here too, and skipped until
 SamplingParams has them (structured outputs: in test_server_default_model.py, which a random model
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import socket
 import sys
 import time
@@ -22,7 +26,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.server import TINY_CHAT_SERVER, metric, serve
+from helpers.server import TINY_CHAT_SERVER, metric, serve_process, spawned_by
 from helpers.tiny_models import BOS_TOKEN_ID, make_tiny_model
 
 API_KEY = TINY_CHAT_SERVER.api_key
@@ -362,14 +366,22 @@ def test_logit_bias_forces_a_token(client):
     assert response.choices[0].text == "zzzz"
 
 
-def test_clients_that_leave_before_their_first_token_are_never_prefilled(tmp_path):
+@pytest.fixture(scope="module")
+def one_slot_server(tmp_path_factory):
+    """A server that runs one request at a time, with a long context; the last test here kills its engine."""
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("one_slot"), max_position_embeddings=4096)
+    with serve_process(str(model), "--max-model-len", "4096", "--max-num-seqs", "1", "--max-num-batched-tokens",
+                       "256", "--block-size", "16") as server:
+        yield server
+
+
+def test_clients_that_leave_before_their_first_token_are_never_prefilled(one_slot_server):
     """A request holds the only slot (``--max-num-seqs 1``) while others with long prompts wait behind
     it; their clients leave before any token. The server notices without a first token and the engine
     aborts them while they wait: once the slot is free, none of their prompts is prefilled (a prompt
     counts in vllm:prompt_tokens at its first token), and a request after them runs at once."""
-    model = make_tiny_model("llama", tmp_path, max_position_embeddings=4096)
-    with serve(str(model), "--max-model-len", "4096", "--max-num-seqs", "1", "--max-num-batched-tokens", "256",
-               "--block-size", "16") as url, httpx.Client(base_url=url, timeout=60) as http:
+    url = one_slot_server.url
+    with httpx.Client(base_url=url, timeout=60) as http:
         holding = {"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}  # runs for seconds
         with http.stream("POST", "/v1/completions", json=holding) as response:
             lines = response.iter_lines()  # kept: a closed iterator closes the response
@@ -403,3 +415,19 @@ def _wait_for(url: str, name: str, value: float, timeout: float = 60.0) -> None:
     while metric(metrics(url), name) != value:
         assert time.monotonic() < end, f"{name} never reached {value}"
         time.sleep(0.05)
+
+
+def test_the_server_exits_when_its_engine_dies(one_slot_server):
+    """Last on this server: its engine's process is killed while a stream is in flight."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=one_slot_server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            events = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data:"))
+            assert "choices" in json.loads(next(events))
+            [engine_pid] = spawned_by(one_slot_server.process.pid)
+            os.kill(engine_pid, signal.SIGKILL)
+            last = [event for event in events][-2:]
+    assert last[1] == "[DONE]"
+    assert json.loads(last[0])["error"]["message"] == "the engine process was killed by SIGKILL"
+    assert one_slot_server.process.wait(timeout=60) == 1
+    assert "the engine process was killed by SIGKILL; shutting the server down" in one_slot_server.output()
