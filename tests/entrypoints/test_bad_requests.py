@@ -117,9 +117,6 @@ BAD_REQUESTS = {
     "a body over --max-request-body-bytes": (
         "/v1/completions", b" " * (MAX_BODY + 1), 413, None, f"this server takes at most {MAX_BODY}"),
     "an unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
-    "tools (tool_choice auto) on a server without --enable-auto-tool-choice": (
-        "/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL]}, 400, "tool_choice",
-        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
     "tool_choice without tools": (
         "/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice",
         "When using `tool_choice`, `tools` must be set."),

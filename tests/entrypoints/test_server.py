@@ -375,6 +375,18 @@ def one_slot_server(tmp_path_factory):
         yield server
 
 
+def test_tools_with_auto_tool_choice_need_its_flags(one_slot_server):
+    """A server started without --enable-auto-tool-choice refuses a request with tools, whose
+    tool_choice is then "auto", naming tool_choice (the shared server has the flags)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    response = httpx.post(f"{one_slot_server.url}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice" and error["message"] == (
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+
+
 def test_clients_that_leave_before_their_first_token_are_never_prefilled(one_slot_server):
     """A request holds the only slot (``--max-num-seqs 1``) while others with long prompts wait behind
     it; their clients leave before any token. The server notices without a first token and the engine
