@@ -44,18 +44,24 @@ def _llm(path, backend, **overrides):
 
 
 # The triton kernels run under Triton's CPU interpreter here, slowly: two families cover what they
-# add (sliding windows, GQA, head_dim != hidden / heads).
+# add (sliding windows, GQA, head_dim != hidden / heads), over the first half of the reference's new
+# tokens. Decode steps cost most of the interpreted time, and those of the second half add nothing:
+# the first half's steps already hold every kind the whole run has (prefill chunks, chunks beside
+# decodes, decode-only batches of 2 and of 4 requests) with the same tile choices, every context
+# crossing block boundaries within one decode tile (128 keys).
 CASES = [(f, b) for f in FAMILIES for b in ("reference", "sdpa")] + [("mistral", "triton"), ("qwen3", "triton")]
+TRITON_NEW_TOKENS = NUM_NEW_TOKENS // 2
 
 
 @pytest.mark.parametrize("family, backend", CASES)
 def test_greedy_matches_transformers(family, backend, model_dirs, hf_greedy):
     llm = _llm(model_dirs[family], backend)
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True)
+    num_new_tokens = TRITON_NEW_TOKENS if backend == "triton" else NUM_NEW_TOKENS
+    params = SamplingParams(max_tokens=num_new_tokens, temperature=0, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, output, expected in zip(PROMPTS, outputs, hf_greedy(family)):
         assert output.prompt_token_ids == prompt
-        assert output.outputs[0].token_ids == expected
+        assert output.outputs[0].token_ids == expected[:num_new_tokens]
         assert output.outputs[0].finish_reason == "length"
     check_all_free(llm.engine.scheduler)
 

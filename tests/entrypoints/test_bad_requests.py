@@ -25,35 +25,33 @@ from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
 from micro_vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from micro_vllm.entrypoints.openai.serving import LOGPROB_FLOOR, OpenAIServing, PreparedRequest, _ChatDeltas
 from micro_vllm.logprobs import Logprob
-from helpers.server import make_tiny_chat_model, metric, serve_process
+from helpers.server import TINY_CHAT_SERVER, metric
 from helpers.tiny_models import VOCAB_SIZE
 
-MODEL = "tiny"
-MAX_MODEL_LEN = 128
-MAX_BODY = 4_000_000
-MAX_LOG_LEN = 12
+MODEL = TINY_CHAT_SERVER.served_model_name
+MAX_MODEL_LEN = TINY_CHAT_SERVER.max_model_len
+MAX_BODY = TINY_CHAT_SERVER.max_request_body_bytes
+MAX_LOG_LEN = TINY_CHAT_SERVER.max_log_len
+MAX_LOGPROBS = TINY_CHAT_SERVER.max_logprobs
+HEADERS = {"Authorization": f"Bearer {TINY_CHAT_SERVER.api_key}"}
 REFERENCE = {"model": MODEL, "prompt": "The sky is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = make_tiny_chat_model(tmp_path_factory.mktemp("bad_requests"))
-    with serve_process(str(path), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
-                       "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--block-size", "8",
-                       "--max-request-body-bytes", str(MAX_BODY), "--enable-log-requests",
-                       "--max-log-len", str(MAX_LOG_LEN)) as server:
-        yield server
+def server(tiny_chat_server):
+    """The server test_server.py and test_server_vllm_fields.py share (tests/entrypoints/conftest.py)."""
+    return tiny_chat_server
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
+    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=120) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def reference(http):
-    """The reference request's text on the fresh server."""
+    """The reference request's text before the random bodies."""
     return http.post("/v1/completions", json=REFERENCE).json()["choices"][0]["text"]
 
 
@@ -119,9 +117,6 @@ BAD_REQUESTS = {
     "a body over --max-request-body-bytes": (
         "/v1/completions", b" " * (MAX_BODY + 1), 413, None, f"this server takes at most {MAX_BODY}"),
     "an unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
-    "tools (tool_choice auto) on a server without --enable-auto-tool-choice": (
-        "/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL]}, 400, "tool_choice",
-        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
     "tool_choice without tools": (
         "/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice",
         "When using `tool_choice`, `tools` must be set."),
@@ -176,8 +171,8 @@ def test_logprobs_json_cannot_carry_are_sent_as_the_floor(http):
     """Structured output with logprobs: whatever the model gives for the tokens the grammar forbids,
     every logprob sent, streamed or not, is a number JSON carries, at least vLLM's floor."""
     digits = {"structured_outputs": {"regex": "[0-9]{4}"}, "max_tokens": 8, "temperature": 0}
-    completion = {"model": MODEL, "prompt": "Count:", "logprobs": 20, **digits}
-    chat = {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 20, **digits}
+    completion = {"model": MODEL, "prompt": "Count:", "logprobs": MAX_LOGPROBS, **digits}
+    chat = {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": MAX_LOGPROBS, **digits}
     values = []
     for stream in (False, True):
         for route, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
@@ -265,7 +260,7 @@ def test_heavy_requests_do_not_stall_another_stream(server):
     ]
 
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        async with httpx.AsyncClient(base_url=server.url, headers=HEADERS, timeout=300) as client:
             heavy_done = asyncio.Event()
 
             async def send_heavy():  # one after the other: the machine has two cores, the stream needs one

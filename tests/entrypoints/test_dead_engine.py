@@ -1,14 +1,9 @@
-"""A server whose engine dies. In-process (through ASGI): the request the engine held gets a 500 error
-object of type InternalServerError whose message names the signal that killed the engine's process,
-/health turns 503, and later requests get the same 500. As a real ``micro-vllm serve`` process: a
-stream in flight ends with that error, and the server then exits with status 1, saying why in its
-log, as vLLM's API server exits so that a supervisor starts a fresh one."""
+"""A server whose engine dies, in-process (through ASGI): the request the engine held gets a 500
+error object of type InternalServerError whose message names the signal that killed the engine's
+process, /health turns 503, and later requests get the same 500. As a real ``micro-vllm serve``
+process, the server then exits with status 1: test_server.py, on its one-slot server."""
 
 import asyncio
-import json
-import os
-import signal
-from pathlib import Path
 
 import httpx
 
@@ -16,7 +11,6 @@ from micro_vllm.engine.arg_utils import AsyncEngineArgs
 from micro_vllm.engine.async_llm import AsyncLLM
 from micro_vllm.entrypoints.openai.api_server import build_app
 from micro_vllm.metrics.loggers import PrometheusStatLogger
-from helpers.server import serve_process
 from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True}
@@ -56,25 +50,3 @@ def test_a_dead_engine_fails_requests_and_health(tmp_path):
         assert response.json()["error"] == {"message": "the engine process was killed by SIGKILL",
                                              "type": "InternalServerError", "param": None, "code": 500}
     assert health.status_code == 503
-
-
-def test_the_server_exits_when_its_engine_dies(tmp_path):
-    with serve_process(str(make_tiny_model("llama", tmp_path)), "--max-model-len", "64") as server:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            with http.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as response:
-                events = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data:"))
-                assert "choices" in json.loads(next(events))
-                os.kill(_engine_pid(server.process.pid), signal.SIGKILL)
-                last = [event for event in events][-2:]
-        assert last[1] == "[DONE]"
-        assert json.loads(last[0])["error"]["message"] == "the engine process was killed by SIGKILL"
-        assert server.process.wait(timeout=60) == 1
-        log = server.output()
-        assert "the engine process was killed by SIGKILL; shutting the server down" in log
-
-
-def _engine_pid(server_pid: int) -> int:
-    """The engine's process: the server's child that multiprocessing spawned."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    [pid] = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
-    return pid

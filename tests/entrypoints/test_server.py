@@ -1,7 +1,9 @@
 """A real ``micro-vllm serve`` process on a tiny model, driven with the official ``openai`` client:
 completions and chat, streamed and not, stop strings, usage; a client that disconnects mid-stream is
 aborted and its blocks freed, and one that leaves before its first token is never prefilled (a server
-of its own, with one slot); vLLM's metric families and what requests add to them; a load of concurrent
+of its own, with one slot; then its engine is killed: a stream in flight ends with the engine's error
+and the server exits with status 1, saying why in its log, as vLLM's API server exits so that a
+supervisor starts a fresh one); vLLM's metric families and what requests add to them; a load of concurrent
 streaming clients with disconnects and malformed requests mixed in; error statuses. Fields that other
 parts of the engine add (``n``, logprobs, penalties, logit_bias) are tested here too, and skipped until
 SamplingParams has them (structured outputs: in test_server_default_model.py, which a random model
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import socket
 import sys
 import time
@@ -22,21 +26,19 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.server import make_tiny_chat_model, metric, serve
+from helpers.server import TINY_CHAT_SERVER, metric, serve_process, spawned_by
 from helpers.tiny_models import BOS_TOKEN_ID, make_tiny_model
 
-API_KEY = "test-key"
-MODEL = "tiny"
-MAX_MODEL_LEN = 128
+API_KEY = TINY_CHAT_SERVER.api_key
+MODEL = TINY_CHAT_SERVER.served_model_name
+MAX_MODEL_LEN = TINY_CHAT_SERVER.max_model_len
 PROMPTS = ["Hello", "The sky is", "1, 2, 3,", "Once upon a time", "abc", "Paris is", "def f(x):", "Why"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = make_tiny_chat_model(tmp_path_factory.mktemp("serve"))
-    with serve(str(path), "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--block-size", "8") as url:
-        yield url
+def server(tiny_chat_server):
+    """The server test_server_vllm_fields.py and test_bad_requests.py share (tests/entrypoints/conftest.py)."""
+    return tiny_chat_server.url
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +220,7 @@ def test_error_statuses(server, client):
     body = error(http.post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400)
     assert body["param"] == "temperature" and "-1" in body["message"]
     body = error(http.post("/v1/completions", json={"prompt": "x" * MAX_MODEL_LEN}), 400)
-    assert "maximum context length is 128" in body["message"]
+    assert f"maximum context length is {MAX_MODEL_LEN}" in body["message"]
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * MAX_MODEL_LEN}])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -238,7 +240,7 @@ def test_models_tokenize_detokenize_and_metrics(server, client):
     assert model.id == MODEL and model.max_model_len == MAX_MODEL_LEN
     http = httpx.Client(base_url=server)
     tokens = http.post("/tokenize", json={"prompt": "héllo"}).json()
-    assert tokens["tokens"] == list("héllo".encode()) and tokens["count"] == 6 and tokens["max_model_len"] == 128
+    assert tokens["tokens"] == list("héllo".encode()) and tokens["count"] == 6 and tokens["max_model_len"] == MAX_MODEL_LEN
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == [BOS_TOKEN_ID, *b"user: hi\nassistant:"]
@@ -364,14 +366,34 @@ def test_logit_bias_forces_a_token(client):
     assert response.choices[0].text == "zzzz"
 
 
-def test_clients_that_leave_before_their_first_token_are_never_prefilled(tmp_path):
+@pytest.fixture(scope="module")
+def one_slot_server(tmp_path_factory):
+    """A server that runs one request at a time, with a long context; the last test here kills its engine."""
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("one_slot"), max_position_embeddings=4096)
+    with serve_process(str(model), "--max-model-len", "4096", "--max-num-seqs", "1", "--max-num-batched-tokens",
+                       "256", "--block-size", "16") as server:
+        yield server
+
+
+def test_tools_with_auto_tool_choice_need_its_flags(one_slot_server):
+    """A server started without --enable-auto-tool-choice refuses a request with tools, whose
+    tool_choice is then "auto", naming tool_choice (the shared server has the flags)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    response = httpx.post(f"{one_slot_server.url}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice" and error["message"] == (
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+
+
+def test_clients_that_leave_before_their_first_token_are_never_prefilled(one_slot_server):
     """A request holds the only slot (``--max-num-seqs 1``) while others with long prompts wait behind
     it; their clients leave before any token. The server notices without a first token and the engine
     aborts them while they wait: once the slot is free, none of their prompts is prefilled (a prompt
     counts in vllm:prompt_tokens at its first token), and a request after them runs at once."""
-    model = make_tiny_model("llama", tmp_path, max_position_embeddings=4096)
-    with serve(str(model), "--max-model-len", "4096", "--max-num-seqs", "1", "--max-num-batched-tokens", "256",
-               "--block-size", "16") as url, httpx.Client(base_url=url, timeout=60) as http:
+    url = one_slot_server.url
+    with httpx.Client(base_url=url, timeout=60) as http:
         holding = {"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}  # runs for seconds
         with http.stream("POST", "/v1/completions", json=holding) as response:
             lines = response.iter_lines()  # kept: a closed iterator closes the response
@@ -405,3 +427,19 @@ def _wait_for(url: str, name: str, value: float, timeout: float = 60.0) -> None:
     while metric(metrics(url), name) != value:
         assert time.monotonic() < end, f"{name} never reached {value}"
         time.sleep(0.05)
+
+
+def test_the_server_exits_when_its_engine_dies(one_slot_server):
+    """Last on this server: its engine's process is killed while a stream is in flight."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=one_slot_server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            events = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data:"))
+            assert "choices" in json.loads(next(events))
+            [engine_pid] = spawned_by(one_slot_server.process.pid)
+            os.kill(engine_pid, signal.SIGKILL)
+            last = [event for event in events][-2:]
+    assert last[1] == "[DONE]"
+    assert json.loads(last[0])["error"]["message"] == "the engine process was killed by SIGKILL"
+    assert one_slot_server.process.wait(timeout=60) == 1
+    assert "the engine process was killed by SIGKILL; shutting the server down" in one_slot_server.output()

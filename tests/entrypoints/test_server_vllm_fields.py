@@ -14,39 +14,38 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from helpers.server import make_tiny_chat_model, serve
+from helpers.server import TINY_CHAT_SERVER
 from helpers.tiny_models import BOS_TOKEN_ID
 from micro_vllm import LLM, SamplingParams, __version__
 from micro_vllm.entrypoints.openai.api_server import ServerLoad, _LoadTracker
 from micro_vllm.entrypoints.openai.serving import MAX_COMPLETION_PROMPTS
 
-MODEL = "tiny"
-MAX_MODEL_LEN = 64
-MAX_LOGPROBS = 5
+MODEL = TINY_CHAT_SERVER.served_model_name
+MAX_MODEL_LEN = TINY_CHAT_SERVER.max_model_len
+MAX_LOGPROBS = TINY_CHAT_SERVER.max_logprobs
+API_KEY = TINY_CHAT_SERVER.api_key
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("serve"))
+def model_path(tiny_chat_model):
+    return tiny_chat_model
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
-    with serve(str(model_path), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--block-size", "8",
-               "--max-logprobs", str(MAX_LOGPROBS)) as url:
-        yield url
+def server(tiny_chat_server):
+    """The server test_server.py and test_bad_requests.py share (tests/entrypoints/conftest.py)."""
+    return tiny_chat_server.url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server, timeout=60) as http:
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
         yield http
 
 

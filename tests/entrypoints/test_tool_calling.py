@@ -20,18 +20,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from helpers.server import make_tiny_chat_model, serve
+from helpers.server import TINY_CHAT_SERVER
 
-MODEL = "tiny"
+MODEL = TINY_CHAT_SERVER.served_model_name
 
-# TINY_CHAT_TEMPLATE, with a line naming the tools and the tool calls of assistant messages (short:
-# the tiny model takes 256 tokens, one a byte).
-TOOL_TEMPLATE = (
-    "{% if tools %}<s>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
-    "{% for c in m['tool_calls'] or [] %} calls {{ c['function']['name'] }}{{ c['function']['arguments'] | tojson }}"
-    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
-)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
@@ -49,19 +41,16 @@ HERMES_CALL = (r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = make_tiny_chat_model(tmp_path_factory.mktemp("tools"))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+def model_path(tiny_chat_model):
+    return tiny_chat_model
 
 
 @pytest.fixture(scope="module")
-def client(model_path):
-    with serve(str(model_path), "--served-model-name", MODEL, "--max-model-len", "256", "--block-size", "8",
-               "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+def client(tiny_chat_server):
+    """The server test_server.py, test_server_vllm_fields.py and test_bad_requests.py share
+    (tests/entrypoints/conftest.py), started with the hermes tool parser; its chat template is
+    ``helpers.server.TINY_CHAT_TEMPLATE``."""
+    return openai.OpenAI(base_url=f"{tiny_chat_server.url}/v1", api_key=TINY_CHAT_SERVER.api_key, max_retries=0)
 
 
 def chat(client, **kwargs):

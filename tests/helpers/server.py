@@ -20,10 +20,15 @@ from transformers import AutoTokenizer
 
 from helpers.tiny_models import make_tiny_model
 
-# A minimal chat template for tiny test models, whose byte-level tokenizer has none.
+# A minimal chat template for tiny test models, whose byte-level tokenizer has none: a line per
+# message, and (short: the tiny model takes 256 tokens, one a byte) a line naming the tools when a
+# request has some, and the tool calls of assistant messages. A line's newline is an expression:
+# transformers renders templates with trim_blocks, which drops a newline that follows a block tag.
 TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% if tools %}<s>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %} calls {{ c['function']['name'] }}{{ c['function']['arguments'] | tojson }}"
+    "{% endfor %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
 
@@ -34,6 +39,32 @@ def make_tiny_chat_model(directory: Path) -> Path:
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyChatServer:
+    """The settings of the tiny chat model's server that test_server.py, test_server_vllm_fields.py,
+    test_bad_requests.py and test_tool_calling.py share (the ``tiny_chat_server`` fixture of
+    tests/entrypoints/conftest.py: one start-up, not four); each module's tests rely on some of them.
+    Its other flags: ``--enable-auto-tool-choice --tool-call-parser hermes --max-num-seqs 16
+    --max-num-batched-tokens 256 --block-size 8 --enable-log-requests``."""
+
+    served_model_name: str = "tiny"
+    api_key: str = "test-key"
+    max_model_len: int = 256  # all the tiny model takes: the tool-calling prompts need it
+    max_logprobs: int = 10  # not the default (20), so that the flag is seen to work
+    max_request_body_bytes: int = 4_000_000
+    max_log_len: int = 12
+
+    def flags(self) -> list[str]:
+        return ["--served-model-name", self.served_model_name, "--api-key", self.api_key,
+                "--max-model-len", str(self.max_model_len), "--max-logprobs", str(self.max_logprobs),
+                "--max-request-body-bytes", str(self.max_request_body_bytes), "--enable-log-requests",
+                "--max-log-len", str(self.max_log_len), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--block-size", "8"]
+
+
+TINY_CHAT_SERVER = TinyChatServer()
 
 
 def free_port() -> int:

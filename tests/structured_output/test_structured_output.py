@@ -363,16 +363,16 @@ def test_structured_outputs_is_refused_before_any_work(tmp_path):
 @pytest.mark.real_model
 def test_each_sequence_of_an_n_request_follows_its_own_grammar(llm):
     """n > 1 under a schema: every sequence validates, and sequence i is the prompt as a request of its
-    own with seed + i (each has a matcher of its own: a shared one would see every sequence's tokens)."""
+    own with seed + i (each has a matcher of its own: a shared one would see every sequence's tokens).
+    The single requests run in the same batch as the n request, on other rows: a seeded draw depends
+    on its seed, not on its row."""
     prompt, schema = SCHEMAS[6]  # a shopping list: long enough for the sequences to differ
     text = chat_texts(llm.engine.tokenizer, [prompt])[0]
     params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
                             structured_outputs=StructuredOutputsParams(json=schema))
-    [output] = llm.generate([text], params, use_tqdm=False)
+    output, *singles = llm.generate([text] * 4, [params] + [dataclasses.replace(params, n=1, seed=7 + i)
+                                                            for i in range(3)], use_tqdm=False)
     assert [c.index for c in output.outputs] == [0, 1, 2]
-    # The three single requests in one batch: a seeded draw does not depend on its batch.
-    singles = llm.generate([text] * 3, [dataclasses.replace(params, n=1, seed=7 + i) for i in range(3)],
-                           use_tqdm=False)
     for completion, single in zip(output.outputs, singles):
         jsonschema.validate(json.loads(completion.text), schema)
         assert completion.token_ids == single.outputs[0].token_ids
