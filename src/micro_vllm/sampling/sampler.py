@@ -287,12 +287,14 @@ class Sampler:
         if metadata.all_greedy:
             return self.argmax(logits)
         temperature = metadata.temperature
-        # What the filters read and the draw takes: the logits, scaled by the inverse temperature
-        # inside the top-p search and the draw, or, where min-p or top-k must read them scaled, scaled
-        # here once (and then drawn at temperature 1, which keeps them).
-        scores, scaled, threshold = logits, False, None
-        if metadata.min_p is not None or metadata.top_k is not None:
-            scores, scaled = logits.float() * _inverse_temperature(temperature).unsqueeze(-1), True
+        # What the filters read and the draw takes: the logits as they are, which the top-p search and
+        # the Triton draw scale as they read them, or a scaled copy made here once, where min-p or
+        # top-k read the scaled logits themselves or the PyTorch route draws (then drawn at
+        # temperature 1, which keeps them).
+        scaled = metadata.min_p is not None or metadata.top_k is not None or metadata.seeds is None
+        scores, threshold = logits, None
+        if scaled:
+            scores = logits.float() * _inverse_temperature(temperature).unsqueeze(-1)
             if metadata.min_p is not None:
                 scores = apply_min_p(scores, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
@@ -303,8 +305,6 @@ class Sampler:
             # A greedy row's argmax survives any filter.
             draw_temperature = (temperature > 0).float() if scaled else temperature
             return self.triton_sample(scores, draw_temperature, metadata.seeds, threshold)
-        if not scaled:
-            scores = logits.float() * _inverse_temperature(temperature).unsqueeze(-1)
         if threshold is not None:
             scores = scores.masked_fill(scores < threshold, float("-inf"))
         probs = scores.softmax(dim=-1)

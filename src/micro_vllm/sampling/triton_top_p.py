@@ -208,7 +208,7 @@ def _cut_kernel(part_mass_ptr, part_count_ptr, part_mass_hi_ptr, phase_ptr, row_
 
 
 @triton.jit
-def _narrow_kernel(phase_ptr, pivots_ptr, lo_ptr, hi_ptr, mass_above_hi_ptr, count_inside_ptr, hi_index_ptr, total_ptr,
+def _narrow_kernel(phase_ptr, pivots_ptr, hi_ptr, mass_above_hi_ptr, count_inside_ptr, hi_index_ptr, total_ptr,
                    base_ptr, length_ptr, top_p_ptr, part_mass_ptr, part_count_ptr, part_mass_hi_ptr, num_chunks,
                    CAP: tl.constexpr, CHUNK: tl.constexpr, PIVOTS: tl.constexpr, CHUNKS: tl.constexpr):
     """A row's cut from its chunks' sums (added in chunk order; the mass above the gathered tokens,
@@ -233,7 +233,6 @@ def _narrow_kernel(phase_ptr, pivots_ptr, lo_ptr, hi_ptr, mass_above_hi_ptr, cou
         cut = (inside > CAP) & ((new_lo != lo) | (new_hi != hi))
         tl.store(phase_ptr + row, tl.where(cut, _CUTTING, _GATHERING))
         tl.store(pivots_ptr + row * PIVOTS + lanes, _pivots(new_lo, new_hi, PIVOTS))
-        tl.store(lo_ptr + row, new_lo)
         tl.store(hi_ptr + row, new_hi)
         tl.store(mass_above_hi_ptr + row, new_mass_above_hi)
         tl.store(count_inside_ptr + row, inside)
@@ -241,8 +240,8 @@ def _narrow_kernel(phase_ptr, pivots_ptr, lo_ptr, hi_ptr, mass_above_hi_ptr, cou
 
 
 @triton.jit
-def _compact_kernel(bracket_ptr, phase_ptr, lo_ptr, hi_ptr, hi_index_ptr, count_inside_ptr, mass_above_hi_ptr, base_ptr,
-                    length_ptr, part_count_ptr, logits_ptr, logits_stride, scale_ptr, vocab_size, num_chunks,
+def _compact_kernel(bracket_ptr, phase_ptr, pivots_ptr, hi_ptr, hi_index_ptr, count_inside_ptr, mass_above_hi_ptr,
+                    base_ptr, length_ptr, part_count_ptr, logits_ptr, logits_stride, scale_ptr, vocab_size, num_chunks,
                     CHUNK: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CHUNKS: tl.constexpr):
     """A chunk's tokens in its row's bracket after the first cut, stored in ``bracket`` after those of
     the chunks before it (the cut's counts give each chunk its number of them): the later passes read
@@ -258,15 +257,15 @@ def _compact_kernel(bracket_ptr, phase_ptr, lo_ptr, hi_ptr, hi_index_ptr, count_
         above_hi = tl.load(counts + hi_index, mask=earlier & (hi_index < PIVOTS), other=0)
         start = chunk * CHUNK
         _gather(logits_ptr + row * logits_stride, start, tl.minimum(start + CHUNK, vocab_size),
-                tl.load(scale_ptr + row), tl.load(lo_ptr + row), tl.load(hi_ptr + row), bracket_ptr + row * vocab_size,
-                tl.sum(above_lo - above_hi, 0), vocab_size, BLOCK)
+                tl.load(scale_ptr + row), tl.load(pivots_ptr + row * PIVOTS), tl.load(hi_ptr + row),
+                bracket_ptr + row * vocab_size, tl.sum(above_lo - above_hi, 0), vocab_size, BLOCK)
         if chunk == 0:
             tl.store(length_ptr + row, tl.load(count_inside_ptr + row))
             tl.store(base_ptr + row, tl.load(mass_above_hi_ptr + row))
 
 
 @triton.jit
-def _threshold_kernel(threshold_ptr, scratch_ptr, phase_ptr, row_max_ptr, total_ptr, pivots_ptr, lo_ptr, hi_ptr,
+def _threshold_kernel(threshold_ptr, scratch_ptr, phase_ptr, row_max_ptr, total_ptr, pivots_ptr, hi_ptr,
                       mass_above_hi_ptr, base_ptr, length_ptr, top_p_ptr, bracket_ptr, vocab_size, BLOCK: tl.constexpr,
                       SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr, CAP: tl.constexpr, COMPARE: tl.constexpr,
                       MAX_PASSES: tl.constexpr):
@@ -282,7 +281,7 @@ def _threshold_kernel(threshold_ptr, scratch_ptr, phase_ptr, row_max_ptr, total_
         row_max = tl.load(row_max_ptr + row)
         total = tl.load(total_ptr + row)
         top_p = tl.load(top_p_ptr + row)
-        lo = tl.load(lo_ptr + row)
+        lo = tl.load(pivots_ptr + row * PIVOTS)  # the bracket's lower end is its first pivot
         hi = tl.load(hi_ptr + row)
         mass_above_hi = tl.load(mass_above_hi_ptr + row)
         if phase == _CUTTING:
@@ -344,11 +343,11 @@ def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor,
     threshold = floats(num_rows)
     if not num_rows:
         return threshold.unsqueeze(-1)
-    # Per row: what its program does next, its maximum and Z, its bracket (lo, hi] and the pivots that
-    # cut it, the mass above hi, the tokens inside and which pivot of the last cut hi is, and the
-    # tokens a cut reads (the row's, then those gathered) with the mass above them.
+    # Per row: what its program does next, its maximum and Z, its bracket's pivots (the first is its
+    # lower end) and upper end hi, the mass above hi, the tokens inside and which pivot of the last cut
+    # hi is, and the tokens a cut reads (the row's, then those gathered) with the mass above them.
     phase, count_inside, hi_index, length = (ints(num_rows) for _ in range(4))
-    row_max, total, lo, hi, mass_above_hi, base = (floats(num_rows) for _ in range(6))
+    row_max, total, hi, mass_above_hi, base = (floats(num_rows) for _ in range(5))
     pivots = floats(num_rows, _PIVOTS)
     chunk_max, chunk_sum, part_mass_hi = (floats(num_rows, num_chunks) for _ in range(3))
     part_mass, part_count = floats(num_rows, num_chunks, _PIVOTS), ints(num_rows, num_chunks, _PIVOTS)
@@ -360,7 +359,7 @@ def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor,
         _cut_kernel[rows_by_chunks](part_mass, part_count, part_mass_hi, phase, row_max, pivots, hi, length, tokens,
                                     tokens.stride(0), tokens_scale, num_chunks, CHUNK=chunk, SEARCH_BLOCK=search_block,
                                     PIVOTS=_PIVOTS)
-        _narrow_kernel[(num_rows,)](phase, pivots, lo, hi, mass_above_hi, count_inside, hi_index, total, base, length,
+        _narrow_kernel[(num_rows,)](phase, pivots, hi, mass_above_hi, count_inside, hi_index, total, base, length,
                                     top_p, part_mass, part_count, part_mass_hi, num_chunks, CAP=_CAP, CHUNK=chunk,
                                     PIVOTS=_PIVOTS, CHUNKS=chunks)
 
@@ -369,13 +368,13 @@ def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor,
     _first_bracket_kernel[(num_rows,)](phase, row_max, total, pivots, hi, base, length, chunk_max, chunk_sum, top_p,
                                        vocab_size, num_chunks, CHUNKS=chunks, PIVOTS=_PIVOTS)
     cut(logits, scale)
-    _compact_kernel[rows_by_chunks](bracket, phase, lo, hi, hi_index, count_inside, mass_above_hi, base, length,
+    _compact_kernel[rows_by_chunks](bracket, phase, pivots, hi, hi_index, count_inside, mass_above_hi, base, length,
                                     part_count, logits, logits.stride(0), scale, vocab_size, num_chunks, CHUNK=chunk,
                                     BLOCK=block, PIVOTS=_PIVOTS, CHUNKS=chunks)
     unscaled = torch.ones_like(top_p)  # the gathered tokens are scaled already
     for _ in range(_PARALLEL_PASSES):
         cut(bracket, unscaled)
-    _threshold_kernel[(num_rows,)](threshold, scratch, phase, row_max, total, pivots, lo, hi, mass_above_hi, base,
+    _threshold_kernel[(num_rows,)](threshold, scratch, phase, row_max, total, pivots, hi, mass_above_hi, base,
                                    length, top_p, bracket, vocab_size, BLOCK=block, SEARCH_BLOCK=search_block,
                                    PIVOTS=_PIVOTS, CAP=_CAP, COMPARE=_COMPARE, MAX_PASSES=_MAX_PASSES)
     return threshold.unsqueeze(-1)
