@@ -4,8 +4,9 @@ penalties (PyTorch's) against the engine's, for the throughput recipe's batch.
     python benchmarks/sampler_bench.py [--rows 256] [--vocab 151936] [--device cuda] [--iters 50]
 
 Random bf16 logits of ``rows`` x ``vocab`` (Qwen3's vocabulary), temperature 0.6 on every row, and
-the settings of ``CASES``: plain temperature, ``top_k=50`` with ``top_p=0.9``, top-p alone,
-``logprobs=5``, and the three penalties (over counts of 500 output tokens and a prompt of 500).
+the settings of ``CASES``: plain temperature, ``top_k=50`` with ``top_p=0.9``, top-k alone, top-p
+alone, min-p, ``logprobs=5``, and the three penalties (over counts of 500 output tokens and a prompt
+of 500).
 "before" runs the same Sampler with its top-k / top-p replaced by the sort of whole rows it had
 before (``sorted_top_k_top_p_threshold`` below) and its penalties by PyTorch's (``apply_penalties``); "after"
 is the engine's. On CUDA with both
@@ -32,18 +33,19 @@ from micro_vllm.sampling.sampler import Sampler, SamplingMetadata, max_top_k
 CASES = {
     "temperature": {},
     "top_k=50 top_p=0.9": {"top_k": 50, "top_p": 0.9},
+    "top_k=50": {"top_k": 50},
     "top_p=0.9": {"top_p": 0.9},
     "top_p=0.95": {"top_p": 0.95},
+    "min_p=0.05": {"min_p": 0.05},
     "logprobs=5": {"logprobs": 5},
     "penalties": {"penalties": True},  # repetition 1.1, presence 0.2, frequency 0.2
 }
 
 
 def sorted_top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                                 max_top_k: int | None = None, whole_row_top_p=None,
                                  inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
     """The top-k / top-p the Sampler had before, as a threshold: sort each whole row (scaled first,
-    where the Sampler gives an ``inverse_temperature``), mask by rank and cumulative mass; the
+    where the Triton route gives an ``inverse_temperature``), mask by rank and cumulative mass; the
     smallest logit kept."""
     if inverse_temperature is not None:
         logits = logits.float() * inverse_temperature.unsqueeze(-1)
@@ -62,9 +64,15 @@ def sorted_top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | Non
 @contextmanager
 def old_sampler(sampler: Sampler):
     """The Sampler as it was: top-k / top-p by sorting whole rows, the penalties in PyTorch."""
-    with mock.patch.object(sampler_module, "top_k_top_p_threshold", sorted_top_k_top_p_threshold), \
+    pytorch_route = lambda logits, top_k, top_p, max_top_k, whole_rows: (  # noqa: E731
+        sorted_top_k_top_p_threshold(logits, top_k, top_p))
+    with mock.patch.object(sampler_module, "top_k_top_p_threshold", pytorch_route), \
             mock.patch.object(sampler, "penalize", apply_penalties):
-        yield
+        if sampler.use_triton:
+            with mock.patch.object(sampler, "triton_threshold", sorted_top_k_top_p_threshold):
+                yield
+        else:
+            yield
 
 
 def penalties_metadata(rows: int, vocab: int, device: torch.device) -> LogitsProcessorsMetadata:
@@ -85,7 +93,8 @@ def penalties_metadata(rows: int, vocab: int, device: torch.device) -> LogitsPro
 
 
 def make_metadata(sampler: Sampler, rows: int, vocab: int, device: torch.device, top_k: int = 0,
-                  top_p: float = 1.0, logprobs: int | None = None, penalties: bool = False) -> SamplingMetadata:
+                  top_p: float = 1.0, min_p: float = 0.0, logprobs: int | None = None,
+                  penalties: bool = False) -> SamplingMetadata:
     top_k_rows = np.full(rows, top_k, np.int32)
     top_p_rows = np.full(rows, top_p, np.float32)
     metadata = SamplingMetadata(
@@ -98,6 +107,7 @@ def make_metadata(sampler: Sampler, rows: int, vocab: int, device: torch.device,
         max_top_k=max_top_k(top_k_rows),
         top_p_without_top_k=top_p < 1 and not top_k,
         logits_processors=penalties_metadata(rows, vocab, device) if penalties else None,
+        min_p=torch.full((rows,), min_p, device=device) if min_p else None,
     )
     return sampler.add_row_seeds(metadata, {})  # the Triton route draws with the seeds it adds
 

@@ -4,6 +4,7 @@ never drawn, and a row's draw depends only on its seed. On CPU under TRITON_INTE
 small vocabularies; small chunk sizes make a few tokens span several chunks."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -133,8 +134,8 @@ def _kernel_metadata(temperature, seeds, top_k=None, top_p=None) -> SamplingMeta
 
 
 def test_a_row_draws_the_same_token_beside_filtered_rows():
-    """A batch with a top-k row goes through the Sampler's filter first; the other rows must keep
-    the draw they get from the unfiltered route (same scores, same seeds), greedy rows their argmax."""
+    """A batch with a top-k row takes the search's thresholds; the other rows (-inf) must keep the
+    draw they get without a filter (same scores, same seeds), greedy rows their argmax."""
     torch.manual_seed(3)
     logits = (torch.randn(17, 300) * 2).to(torch.bfloat16)
     temperature = torch.rand(17) + 0.5
@@ -150,10 +151,10 @@ def test_a_row_draws_the_same_token_beside_filtered_rows():
 
 
 def test_a_threshold_draws_what_the_scaled_logits_masked_below_it_draw():
-    """Rows with top-p alone reach the kernels as their logits, their temperature and a threshold on
-    ``logits * (1 / T)``; rows with a top-k as scaled logits drawn at temperature 1. Both draw, seed
-    for seed, what the scaled logits masked below the threshold draw, and top-p alone keeps a row's
-    draw beside a top-k row."""
+    """Rows with top-k / top-p reach the kernels as their logits, their temperature and a threshold
+    on ``logits * (1 / T)``; a batch with min-p as scaled logits drawn at temperature 1. Both draw,
+    seed for seed, what the scaled logits masked below the threshold draw, and top-p alone keeps a
+    row's draw beside a top-k row."""
     torch.manual_seed(5)
     logits = (torch.randn(24, 300) * 2).to(torch.bfloat16)
     temperature = torch.rand(24) + 0.4
@@ -173,6 +174,8 @@ def test_a_threshold_draws_what_the_scaled_logits_masked_below_it_draw():
     beside_top_k = SamplingMetadata(**{**beside_top_k.__dict__, "top_p_without_top_k": True})
     mixed = Sampler(use_triton=True)(logits, beside_top_k).sampled_token_ids
     assert mixed[:23].tolist() == expected[:23].tolist()
+    with_min_p = Sampler(use_triton=True)(logits, replace(beside_top_k, min_p=torch.zeros(24))).sampled_token_ids
+    assert with_min_p.tolist() == mixed.tolist()
     assert expected[7].item() == logits[7].float().argmax().item()
 
 

@@ -10,13 +10,13 @@ token falls back to the grammar's mask alone. Greedy rows take the argmax. Rando
 temperature, filtered by min-p and top-k / top-p, and drawn with the exponential race (argmax of
 p / E with E ~ Exp(1)), which needs no cumulative sums and lets each seeded row draw its noise from
 its own generator, so its tokens do not depend on the batch. Top-k / top-p come down to a threshold
-per row on the scaled logits: from the row's top candidates when it has a top-k, else over its
-whole row, which the PyTorch route sorts and the Triton route searches without a sort
-(``triton_top_p.py``, which scales the logits as it reads them). A Sampler built with
-``use_triton`` draws every batch that samples with the Triton sampler instead (``triton_sampler.py``:
-a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it, with a Philox seed per
-row, so the same independence holds), which takes the threshold and skips the tokens below it; only
-min-p and top-k, which read the scaled logits themselves, make a scaled copy here first.
+per row on the scaled logits, which the PyTorch route takes from the row's top candidates when it
+has a top-k, else from its whole row, sorted. A Sampler built with ``use_triton`` draws every batch
+that samples with the Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its
+softmax mass, then Gumbel-max inside it, with a Philox seed per row, so the same independence
+holds), which takes the threshold and skips the tokens below it; the threshold comes from a Triton
+search that neither sorts nor selects (``triton_top_k_top_p.py``). Both scale the logits as they
+read them, so only min-p, which reads the scaled logits itself, makes a scaled copy here first.
 
 The runner's ``InputBatch`` makes a batch's ``SamplingMetadata`` from its rows' settings when its
 rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it bans and its bitmask.
@@ -24,7 +24,6 @@ rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -38,11 +37,6 @@ from micro_vllm.sampling.logits_processors import (LogitsProcessorsMetadata, Pen
 
 
 SEED_POOL_SIZE = 4096  # the engine stream's seeds drawn at once for the Triton sampler
-
-# Each row's top-p threshold over its whole row, [n, 1], from logits [n, vocab] and top_p [n], for
-# the logits times the row's inverse temperature [n] when one is given.
-WholeRowTopP = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
 
 @dataclass(frozen=True)
 class SamplingMetadata:
@@ -61,10 +55,10 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     logits_processors: LogitsProcessorsMetadata | None = None  # None when no row uses one
     min_p: torch.Tensor | None = None  # float32 [n], 0 = off; None when no row uses it
-    # How many of each row's best logits top-k (and top-p within it) need to see (``max_top_k``);
-    # None: no row uses top-k.
+    # How many of each row's best logits top-k (and top-p within it) need to see on the PyTorch route
+    # (``max_top_k``); None: no row uses top-k.
     max_top_k: int | None = None
-    # Whether a row uses top-p without top-k: its nucleus is searched over its whole row.
+    # Whether a row uses top-p without top-k: on the PyTorch route its whole row is sorted.
     top_p_without_top_k: bool = False
     # int32 [n, words] on the host, xgrammar's layout (token t is bit t % 32 of word t // 32): the
     # tokens each row's grammar allows, all ones for a row without one; None: no row has one.
@@ -143,21 +137,19 @@ def max_top_k(top_k: np.ndarray) -> int | None:
 
 
 def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                          max_top_k: int | None, whole_row_top_p: WholeRowTopP | None = None,
-                          inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's threshold, float32 [n, 1], on ``logits`` times ``inverse_temperature`` [n] (or on
-    ``logits`` as they are, which a batch with top-k must give scaled): its top-k and then its top-p
-    nucleus are the tokens at least as large (-inf: every token).
+                          max_top_k: int | None, whole_rows: bool) -> torch.Tensor:
+    """Each row's threshold, float32 [n, 1], on ``logits``: its top-k and then its top-p nucleus are
+    the tokens at least as large (-inf: every token).
 
     Top-k keeps the tokens at least as large as the row's k-th largest logit (all of a tie). Top-p
     then keeps a token when the probability of the tokens strictly above it (within the top-k set)
     is at most ``top_p``: the smallest set of best tokens whose mass reaches ``top_p``, with all of
     a tie. Both come down to one threshold per row. A row with top-k finds it among its best
     candidates in descending order, the top ``max_top_k`` (``torch.topk`` selects them without
-    sorting the vocabulary). A row with top-p and no top-k (there must be one when
-    ``whole_row_top_p`` is given, and only then) gets its threshold over its whole row from
-    ``whole_row_top_p``: ``sorted_top_p_threshold`` or the Triton search (``triton_top_p``).
-    ``top_k`` 0 and ``top_p`` 1 turn a row's filter off."""
+    sorting the vocabulary). A row with top-p and no top-k (there must be one when ``whole_rows``,
+    and only then) gets its threshold over its whole row, sorted (``sorted_top_p_threshold``). ``top_k``
+    0 and ``top_p`` 1 turn a row's filter off. The Triton route finds the same thresholds by a search
+    (``triton_top_k_top_p``)."""
     threshold = torch.full_like(logits[:, :1], float("-inf"), dtype=torch.float32)
     if top_k is not None:
         candidates = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1).values
@@ -167,18 +159,15 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_
         if top_p is not None:
             top_p_of_rows = torch.where(top_k > 0, top_p, 1.0)
             threshold = torch.maximum(threshold, _top_p_threshold(logits, candidates, threshold, top_p_of_rows))
-    if whole_row_top_p is not None:
+    if whole_rows:
         top_p_alone = top_p if top_k is None else torch.where(top_k > 0, 1.0, top_p)
-        threshold = torch.maximum(threshold, whole_row_top_p(logits, top_p_alone, inverse_temperature))
+        threshold = torch.maximum(threshold, sorted_top_p_threshold(logits, top_p_alone))
     return threshold
 
 
-def sorted_top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor,
-                           inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
-    """The top-p threshold of each whole row, float32 [n, 1], by its definition: from the row (times
-    ``inverse_temperature``) sorted (-inf where ``top_p`` is 1)."""
-    if inverse_temperature is not None:
-        logits = logits.float() * inverse_temperature.unsqueeze(-1)
+def sorted_top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-p threshold of each whole row, float32 [n, 1], by its definition: from the row sorted
+    (-inf where ``top_p`` is 1)."""
     return _top_p_threshold(logits, logits.sort(dim=-1, descending=True).values, None, top_p)
 
 
@@ -223,13 +212,12 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.argmax = cpu_argmax if device.type == "cpu" else _device_argmax
-        self.whole_row_top_p: WholeRowTopP = sorted_top_p_threshold
         self.penalize: PenaltiesApplier = apply_penalties
         if use_triton:
-            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p
+            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_k_top_p
 
             self.triton_sample = triton_sampler.sample
-            self.whole_row_top_p = triton_top_p.top_p_threshold
+            self.triton_threshold = triton_top_k_top_p.top_k_top_p_threshold
             self.penalize = triton_penalties.apply_penalties
             self.seed_stream = np.random.default_rng(seed)
             self.seed_pool = np.empty(0, np.int64)  # the stream's next seeds, drawn ahead
@@ -287,25 +275,27 @@ class Sampler:
         if metadata.all_greedy:
             return self.argmax(logits)
         temperature = metadata.temperature
-        # What the filters read and the draw takes: the logits as they are, which the top-p search and
-        # the Triton draw scale as they read them, or a scaled copy made here once, where min-p or
-        # top-k read the scaled logits themselves or the PyTorch route draws (then drawn at
-        # temperature 1, which keeps them).
-        scaled = metadata.min_p is not None or metadata.top_k is not None or metadata.seeds is None
-        scores, threshold = logits, None
+        # What the filters read and the draw takes: the logits as they are, which the Triton search and
+        # draw scale as they read them, or a scaled copy made here once, where min-p reads the scaled
+        # logits itself or the PyTorch route draws (then drawn at temperature 1, which keeps them).
+        scaled = metadata.min_p is not None or metadata.seeds is None
+        scores = logits
         if scaled:
             scores = logits.float() * _inverse_temperature(temperature).unsqueeze(-1)
             if metadata.min_p is not None:
                 scores = apply_min_p(scores, metadata.min_p)
-        if metadata.top_k is not None or metadata.top_p is not None:
-            whole_row_top_p = self.whole_row_top_p if metadata.top_p_without_top_k else None
-            threshold = top_k_top_p_threshold(scores, metadata.top_k, metadata.top_p, metadata.max_top_k,
-                                              whole_row_top_p, None if scaled else _inverse_temperature(temperature))
+        filtered = metadata.top_k is not None or metadata.top_p is not None
         if metadata.seeds is not None:
+            threshold = None
+            if filtered:
+                threshold = self.triton_threshold(scores, metadata.top_k, metadata.top_p,
+                                                  None if scaled else _inverse_temperature(temperature))
             # A greedy row's argmax survives any filter.
             draw_temperature = (temperature > 0).float() if scaled else temperature
             return self.triton_sample(scores, draw_temperature, metadata.seeds, threshold)
-        if threshold is not None:
+        if filtered:
+            threshold = top_k_top_p_threshold(scores, metadata.top_k, metadata.top_p, metadata.max_top_k,
+                                              metadata.top_p_without_top_k)
             scores = scores.masked_fill(scores < threshold, float("-inf"))
         probs = scores.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)

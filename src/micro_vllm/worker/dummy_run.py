@@ -57,10 +57,10 @@ def load_eager_kernels(runner: ModelRunner) -> None:
 
     * the lm_head, at every row count a step can sample (1 to ``max_num_seqs``): cuBLAS picks its
       matmul kernel by the row count;
-    * each sampling route: all greedy, top-p alone (over whole rows), top-k / top-p over each
-      number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), the
-      penalties (which also compiles the Triton route's pass), each on one row and on two, as a
-      library may pick its kernel by the row count (cuBLAS does);
+    * each sampling route: all greedy, top-p alone (over whole rows), top-k / top-p (on the PyTorch
+      route over each number of best candidates ``max_top_k`` can ask for: ``topk``'s kernels differ
+      with it), the penalties (which also compiles the Triton route's pass), each on one row and on
+      two, as a library may pick its kernel by the row count (cuBLAS does);
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
       int64 ``index_select`` and ``index_copy_``, ``ModelRunner._input_ids``).
     """
@@ -69,8 +69,10 @@ def load_eager_kernels(runner: ModelRunner) -> None:
     for num_rows in range(1, len(hidden) + 1):
         logits = runner.compute_logits(hidden[:num_rows])
     vocab_size = logits.shape[-1]
-    candidate_counts = [1 << i for i in range((vocab_size - 1).bit_length())] + [vocab_size]
     sampler = own_sampler(runner, max_num_reqs=2)
+    candidate_counts = [vocab_size]  # the Triton search's kernels are the same for every top-k
+    if not sampler.use_triton:
+        candidate_counts = [1 << i for i in range((vocab_size - 1).bit_length())] + candidate_counts
     for num_rows in (1, 2):
         rows_logits = logits[:num_rows]
         dummy_sample(sampler, rows_logits, greedy=True)
@@ -108,13 +110,15 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     are real."""
     inputs = runner.dummy_inputs(query_lens)
     logits = runner.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
-    # Sampling with a top-k of the whole vocabulary (``topk`` of whole rows, as large as a sort: the
-    # sampler's largest buffer), with top-p alone (the PyTorch route's sort, the Triton route's
-    # search) and without a filter, so the variants of the sampler's kernels (model-dtype and fp32
-    # logits, the top-p search) compile here.
+    # Sampling with a top-k of the whole vocabulary (the PyTorch route's ``topk`` of whole rows, as
+    # large as a sort: its largest buffer), beside min-p (a scaled copy, which the Triton route's
+    # kernels read in fp32), with top-p alone (the PyTorch route's sort) and without a filter, so the
+    # variants of the sampler's kernels (model-dtype and fp32 logits, the search by count and by
+    # mass) compile here.
     sampler = own_sampler(runner, max_num_reqs=len(query_lens))
     vocab_size = logits.shape[-1]
     dummy_sample(sampler, logits, top_k=vocab_size, top_p=0.9, max_top_k=vocab_size)
+    dummy_sample(sampler, logits, top_k=vocab_size, top_p=0.9, max_top_k=vocab_size, min_p=0.1)
     dummy_sample(sampler, logits, top_p=0.9)
     dummy_sample(sampler, logits)
 
@@ -127,10 +131,11 @@ def own_sampler(runner: ModelRunner, max_num_reqs: int) -> Sampler:
 
 
 def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False, top_k: int | None = None,
-                 top_p: float | None = None, max_top_k: int | None = None, penalties: bool = False) -> torch.Tensor:
+                 top_p: float | None = None, max_top_k: int | None = None, min_p: float | None = None,
+                 penalties: bool = False) -> torch.Tensor:
     """Sample every row of ``logits`` with one setting, as the runner's metadata would send it: all
-    greedy, or temperature 1 with this top-k / top-p (None: off) or with the penalties (over no
-    tokens), drawn through the Triton sampler's seeds when it is in use. Returns the sampled ids."""
+    greedy, or temperature 1 with this top-k / top-p / min-p (None: off) or with the penalties (over
+    no tokens), drawn through the Triton sampler's seeds when it is in use. Returns the sampled ids."""
     num_rows, device = len(logits), logits.device
 
     def full(value, dtype=torch.float32) -> torch.Tensor:
@@ -147,7 +152,7 @@ def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False
         metadata = SamplingMetadata(full(1.0), None if top_k is None else full(top_k, torch.int32),
                                     None if top_p is None else full(top_p), all_greedy=False, all_random=True,
                                     max_top_k=max_top_k, top_p_without_top_k=top_p is not None and top_k is None,
-                                    logits_processors=processors)
+                                    logits_processors=processors, min_p=None if min_p is None else full(min_p))
     return sampler(logits, sampler.add_row_seeds(metadata, {})).sampled_token_ids
 
 
