@@ -43,9 +43,10 @@ CASES = {
 
 
 def sorted_top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                                 max_top_k: int | None = None, whole_row_top_p=None,
                                  inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
     """The top-k / top-p the Sampler had before, as a threshold: sort each whole row (scaled first,
-    where the Triton route gives an ``inverse_temperature``), mask by rank and cumulative mass; the
+    where the Sampler gives an ``inverse_temperature``), mask by rank and cumulative mass; the
     smallest logit kept."""
     if inverse_temperature is not None:
         logits = logits.float() * inverse_temperature.unsqueeze(-1)
@@ -64,15 +65,9 @@ def sorted_top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | Non
 @contextmanager
 def old_sampler(sampler: Sampler):
     """The Sampler as it was: top-k / top-p by sorting whole rows, the penalties in PyTorch."""
-    pytorch_route = lambda logits, top_k, top_p, max_top_k, whole_rows: (  # noqa: E731
-        sorted_top_k_top_p_threshold(logits, top_k, top_p))
-    with mock.patch.object(sampler_module, "top_k_top_p_threshold", pytorch_route), \
+    with mock.patch.object(sampler_module, "top_k_top_p_threshold", sorted_top_k_top_p_threshold), \
             mock.patch.object(sampler, "penalize", apply_penalties):
-        if sampler.use_triton:
-            with mock.patch.object(sampler, "triton_threshold", sorted_top_k_top_p_threshold):
-                yield
-        else:
-            yield
+        yield
 
 
 def penalties_metadata(rows: int, vocab: int, device: torch.device) -> LogitsProcessorsMetadata:

@@ -504,11 +504,12 @@ def test_sampler_bench_times_every_case_on_cpu(capsys):
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0))
     top_k, top_p = torch.tensor([0, 5, 50, 50], dtype=torch.int32), torch.tensor([1.0, 0.9, 0.9, 0.3])
     before = sampler_bench.sorted_top_k_top_p_threshold(logits, top_k, top_p)
-    after = sampler_module.top_k_top_p_threshold(logits, top_k, top_p, 64, True)
+    after = sampler_module.top_k_top_p_threshold(logits, top_k, top_p, 64, sampler_module.sorted_top_p_threshold)
     assert torch.equal(logits >= before, logits >= after)
-    inverse_temperature = torch.full((4,), 1 / 0.6)  # as the Sampler passes it to the Triton route
+    inverse_temperature = torch.full((4,), 1 / 0.6)  # as the Sampler passes it for rows with top-p alone
     scaled = logits * inverse_temperature.unsqueeze(-1)
-    with_inverse_temperature = sampler_bench.sorted_top_k_top_p_threshold(logits, top_k, top_p, inverse_temperature)
+    with_inverse_temperature = sampler_bench.sorted_top_k_top_p_threshold(logits, top_k, top_p, None, None,
+                                                                          inverse_temperature)
     assert torch.equal(with_inverse_temperature, sampler_bench.sorted_top_k_top_p_threshold(scaled, top_k, top_p))
 
 

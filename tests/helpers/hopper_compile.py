@@ -32,7 +32,7 @@ from micro_vllm.attention.backends import triton_attn  # noqa: E402
 from micro_vllm.attention.backends.abstract import CommonAttentionMetadata  # noqa: E402
 from micro_vllm.attention.spec import AttentionSpec  # noqa: E402
 from micro_vllm.layers import triton_ops  # noqa: E402
-from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_k_top_p  # noqa: E402
+from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p  # noqa: E402
 from micro_vllm.sampling.logits_processors import Penalties  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -167,14 +167,13 @@ def main() -> int:
         attention_launches(torch.bfloat16, 2, None, num_splits, head_size=head_size)
     attention_launches(torch.float32, 2, None, 1)  # fp32 dots ("ieee") take another code path
     attention_launches(torch.bfloat16, 2, None, 4, kv_cache_dtype=torch.float8_e4m3fn)  # kv_cache_dtype="fp8"
-    for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype (fp32: scaled by the Sampler for min-p)
+    for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype (fp32: scaled by the Sampler for top-k)
         for threshold in (None, torch.zeros(4, 1)):  # without a filter, and with top-k / top-p
             triton_sampler.sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64),
                                   threshold)
-    # Top-k and top-p on the model's logits with their inverse temperatures; beside min-p, on the scaled ones.
-    top_k, top_p = torch.full((4,), 50, dtype=torch.int32), torch.full((4,), 0.9)
-    triton_top_k_top_p.top_k_top_p_threshold(torch.zeros(4, 151936, dtype=torch.bfloat16), top_k, top_p, torch.ones(4))
-    triton_top_k_top_p.top_k_top_p_threshold(torch.zeros(4, 151936), top_k, top_p)
+    # Top-p alone on the model's logits with their inverse temperatures; beside top-k, on the scaled ones.
+    triton_top_p.top_p_threshold(torch.zeros(4, 151936, dtype=torch.bfloat16), torch.full((4,), 0.9), torch.ones(4))
+    triton_top_p.top_p_threshold(torch.zeros(4, 151936), torch.full((4,), 0.9))
     rows, vocab = torch.arange(2), 151936
     triton_penalties.apply_penalties(torch.zeros(4, vocab), Penalties(
         rows, torch.zeros(2), torch.zeros(2), torch.ones(2), torch.zeros(8, vocab, dtype=torch.int32),

@@ -10,13 +10,14 @@ token falls back to the grammar's mask alone. Greedy rows take the argmax. Rando
 temperature, filtered by min-p and top-k / top-p, and drawn with the exponential race (argmax of
 p / E with E ~ Exp(1)), which needs no cumulative sums and lets each seeded row draw its noise from
 its own generator, so its tokens do not depend on the batch. Top-k / top-p come down to a threshold
-per row on the scaled logits, which the PyTorch route takes from the row's top candidates when it
-has a top-k, else from its whole row, sorted. A Sampler built with ``use_triton`` draws every batch
-that samples with the Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its
+per row on the scaled logits: from the row's top candidates when it has a top-k, else over its
+whole row, which the PyTorch route sorts and the Triton route searches without a sort
+(``triton_top_p.py``, which scales the logits as it reads them; the candidates are selected from
+the logits as they are and scaled after). A Sampler built with ``use_triton`` draws every batch that
+samples with the Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its
 softmax mass, then Gumbel-max inside it, with a Philox seed per row, so the same independence
-holds), which takes the threshold and skips the tokens below it; the threshold comes from a Triton
-search that neither sorts nor selects (``triton_top_k_top_p.py``). Both scale the logits as they
-read them, so only min-p, which reads the scaled logits itself, makes a scaled copy here first.
+holds), which takes the threshold and skips the tokens below it; only min-p, which reads the scaled
+logits itself, and fp32 logits make a scaled copy here first.
 
 The runner's ``InputBatch`` makes a batch's ``SamplingMetadata`` from its rows' settings when its
 rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it bans and its bitmask.
@@ -24,6 +25,7 @@ rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -37,6 +39,11 @@ from micro_vllm.sampling.logits_processors import (LogitsProcessorsMetadata, Pen
 
 
 SEED_POOL_SIZE = 4096  # the engine stream's seeds drawn at once for the Triton sampler
+
+# Each row's top-p threshold over its whole row, [n, 1], from logits [n, vocab] and top_p [n], for
+# the logits times the row's inverse temperature [n] when one is given.
+WholeRowTopP = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class SamplingMetadata:
@@ -55,10 +62,10 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     logits_processors: LogitsProcessorsMetadata | None = None  # None when no row uses one
     min_p: torch.Tensor | None = None  # float32 [n], 0 = off; None when no row uses it
-    # How many of each row's best logits top-k (and top-p within it) need to see on the PyTorch route
-    # (``max_top_k``); None: no row uses top-k.
+    # How many of each row's best logits top-k (and top-p within it) need to see (``max_top_k``);
+    # None: no row uses top-k.
     max_top_k: int | None = None
-    # Whether a row uses top-p without top-k: on the PyTorch route its whole row is sorted.
+    # Whether a row uses top-p without top-k: its nucleus is searched over its whole row.
     top_p_without_top_k: bool = False
     # int32 [n, words] on the host, xgrammar's layout (token t is bit t % 32 of word t // 32): the
     # tokens each row's grammar allows, all ones for a row without one; None: no row has one.
@@ -137,46 +144,59 @@ def max_top_k(top_k: np.ndarray) -> int | None:
 
 
 def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                          max_top_k: int | None, whole_rows: bool) -> torch.Tensor:
-    """Each row's threshold, float32 [n, 1], on ``logits``: its top-k and then its top-p nucleus are
-    the tokens at least as large (-inf: every token).
+                          max_top_k: int | None, whole_row_top_p: WholeRowTopP | None = None,
+                          inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's threshold, float32 [n, 1], on ``logits`` times ``inverse_temperature`` [n] (or on
+    ``logits`` as they are): its top-k and then its top-p nucleus are the tokens at least as large
+    (-inf: every token).
 
     Top-k keeps the tokens at least as large as the row's k-th largest logit (all of a tie). Top-p
     then keeps a token when the probability of the tokens strictly above it (within the top-k set)
     is at most ``top_p``: the smallest set of best tokens whose mass reaches ``top_p``, with all of
     a tie. Both come down to one threshold per row. A row with top-k finds it among its best
     candidates in descending order, the top ``max_top_k`` (``torch.topk`` selects them without
-    sorting the vocabulary). A row with top-p and no top-k (there must be one when ``whole_rows``,
-    and only then) gets its threshold over its whole row, sorted (``sorted_top_p_threshold``). ``top_k``
-    0 and ``top_p`` 1 turn a row's filter off. The Triton route finds the same thresholds by a search
-    (``triton_top_k_top_p``)."""
+    sorting the vocabulary), selected from the logits as they are and then scaled: multiplying by a
+    positive ``1 / T`` keeps their order, and rounds the k-th to the k-th of the scaled logits. It also
+    keeps apart any two distinct bf16 or fp16 logits (their 8 or 11 significant bits are far coarser
+    than the fp32 product's 24), so the tie at the k-th is counted on the logits as they are; fp32
+    logits must come scaled, as the Sampler gives them. A row with top-p and no top-k (there must be one when
+    ``whole_row_top_p`` is given, and only then) gets its threshold over its whole row from
+    ``whole_row_top_p``: ``sorted_top_p_threshold`` or the Triton search (``triton_top_p``).
+    ``top_k`` 0 and ``top_p`` 1 turn a row's filter off."""
     threshold = torch.full_like(logits[:, :1], float("-inf"), dtype=torch.float32)
     if top_k is not None:
         candidates = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1).values
         k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
+        kth = candidates.gather(-1, k - 1)
+        if inverse_temperature is not None:
+            candidates = candidates.float() * inverse_temperature.unsqueeze(-1)
         with_top_k = top_k.unsqueeze(-1) > 0
         threshold = torch.where(with_top_k, candidates.gather(-1, k - 1), threshold)
         if top_p is not None:
             top_p_of_rows = torch.where(top_k > 0, top_p, 1.0)
-            threshold = torch.maximum(threshold, _top_p_threshold(logits, candidates, threshold, top_p_of_rows))
-    if whole_rows:
+            num_tied = (logits == kth).sum(dim=-1, keepdim=True)
+            threshold = torch.maximum(threshold, _top_p_threshold(candidates, threshold, num_tied, top_p_of_rows))
+    if whole_row_top_p is not None:
         top_p_alone = top_p if top_k is None else torch.where(top_k > 0, 1.0, top_p)
-        threshold = torch.maximum(threshold, sorted_top_p_threshold(logits, top_p_alone))
+        threshold = torch.maximum(threshold, whole_row_top_p(logits, top_p_alone, inverse_temperature))
     return threshold
 
 
-def sorted_top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The top-p threshold of each whole row, float32 [n, 1], by its definition: from the row sorted
-    (-inf where ``top_p`` is 1)."""
-    return _top_p_threshold(logits, logits.sort(dim=-1, descending=True).values, None, top_p)
+def sorted_top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor,
+                           inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """The top-p threshold of each whole row, float32 [n, 1], by its definition: from the row (times
+    ``inverse_temperature``) sorted (-inf where ``top_p`` is 1)."""
+    if inverse_temperature is not None:
+        logits = logits.float() * inverse_temperature.unsqueeze(-1)
+    return _top_p_threshold(logits.sort(dim=-1, descending=True).values, None, None, top_p)
 
 
-def _top_p_threshold(logits: torch.Tensor, candidates: torch.Tensor, top_k_threshold: torch.Tensor | None,
+def _top_p_threshold(candidates: torch.Tensor, top_k_threshold: torch.Tensor | None, num_tied: torch.Tensor | None,
                      top_p: torch.Tensor) -> torch.Tensor:
     """The smallest logit of each row's top-p nucleus within its top-k set (-inf for rows with
     ``top_p`` 1). ``candidates`` [n, c] are the row's best logits in descending order, which hold
     its nucleus: the whole row without a top-k, else all of its top-k set but maybe some of the
-    tokens tied with the k-th, which are counted over the vocabulary.
+    ``num_tied`` tokens tied with the k-th, which are counted over the vocabulary.
 
     A row's decision must not depend on how many candidates its batch took (a seeded request
     draws the same tokens in any batch): every sum is a prefix sum over the row's own tokens above
@@ -192,7 +212,6 @@ def _top_p_threshold(logits: torch.Tensor, candidates: torch.Tensor, top_k_thres
         in_top_k = candidates >= top_k_threshold
         weights = weights.masked_fill(candidates <= top_k_threshold, 0.0)  # the tie at the k-th comes below
         cumulative = weights.cumsum(dim=-1)
-        num_tied = (logits == top_k_threshold).sum(dim=-1, keepdim=True)
         total = cumulative[:, -1:] + num_tied * (top_k_threshold - best).exp()
     # A tie is kept or dropped as one: the threshold is the value of the last candidate kept.
     mass_before = (cumulative - weights) / total
@@ -212,12 +231,13 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.argmax = cpu_argmax if device.type == "cpu" else _device_argmax
+        self.whole_row_top_p: WholeRowTopP = sorted_top_p_threshold
         self.penalize: PenaltiesApplier = apply_penalties
         if use_triton:
-            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_k_top_p
+            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p
 
             self.triton_sample = triton_sampler.sample
-            self.triton_threshold = triton_top_k_top_p.top_k_top_p_threshold
+            self.whole_row_top_p = triton_top_p.top_p_threshold
             self.penalize = triton_penalties.apply_penalties
             self.seed_stream = np.random.default_rng(seed)
             self.seed_pool = np.empty(0, np.int64)  # the stream's next seeds, drawn ahead
@@ -275,27 +295,26 @@ class Sampler:
         if metadata.all_greedy:
             return self.argmax(logits)
         temperature = metadata.temperature
-        # What the filters read and the draw takes: the logits as they are, which the Triton search and
-        # draw scale as they read them, or a scaled copy made here once, where min-p reads the scaled
-        # logits itself or the PyTorch route draws (then drawn at temperature 1, which keeps them).
-        scaled = metadata.min_p is not None or metadata.seeds is None
-        scores = logits
+        # What the filters read and the draw takes: the logits as they are, which the top-k / top-p
+        # filters and the Triton draw scale as they read them, or a scaled copy made here once, where
+        # min-p reads the scaled logits itself, the PyTorch route draws (then drawn at temperature 1,
+        # which keeps them), or the logits are fp32 (an fp32 model's), which scaling can round into
+        # ties the top-k filter must count.
+        scaled = metadata.min_p is not None or metadata.seeds is None or logits.dtype == torch.float32
+        scores, threshold = logits, None
         if scaled:
             scores = logits.float() * _inverse_temperature(temperature).unsqueeze(-1)
             if metadata.min_p is not None:
                 scores = apply_min_p(scores, metadata.min_p)
-        filtered = metadata.top_k is not None or metadata.top_p is not None
+        if metadata.top_k is not None or metadata.top_p is not None:
+            whole_row_top_p = self.whole_row_top_p if metadata.top_p_without_top_k else None
+            threshold = top_k_top_p_threshold(scores, metadata.top_k, metadata.top_p, metadata.max_top_k,
+                                              whole_row_top_p, None if scaled else _inverse_temperature(temperature))
         if metadata.seeds is not None:
-            threshold = None
-            if filtered:
-                threshold = self.triton_threshold(scores, metadata.top_k, metadata.top_p,
-                                                  None if scaled else _inverse_temperature(temperature))
             # A greedy row's argmax survives any filter.
             draw_temperature = (temperature > 0).float() if scaled else temperature
             return self.triton_sample(scores, draw_temperature, metadata.seeds, threshold)
-        if filtered:
-            threshold = top_k_top_p_threshold(scores, metadata.top_k, metadata.top_p, metadata.max_top_k,
-                                              metadata.top_p_without_top_k)
+        if threshold is not None:
             scores = scores.masked_fill(scores < threshold, float("-inf"))
         probs = scores.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
