@@ -57,10 +57,10 @@ def load_eager_kernels(runner: ModelRunner) -> None:
 
     * the lm_head, at every row count a step can sample (1 to ``max_num_seqs``): cuBLAS picks its
       matmul kernel by the row count;
-    * each sampling route: all greedy, top-p alone (over whole rows), top-k / top-p (on the PyTorch
-      route over each number of best candidates ``max_top_k`` can ask for: ``topk``'s kernels differ
-      with it), the penalties (which also compiles the Triton route's pass), each on one row and on
-      two, as a library may pick its kernel by the row count (cuBLAS does);
+    * each sampling route: all greedy, top-p alone (over whole rows), top-k / top-p over each
+      number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), the
+      penalties (which also compiles the Triton route's pass), each on one row and on two, as a
+      library may pick its kernel by the row count (cuBLAS does);
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
       int64 ``index_select`` and ``index_copy_``, ``ModelRunner._input_ids``).
     """
@@ -69,10 +69,8 @@ def load_eager_kernels(runner: ModelRunner) -> None:
     for num_rows in range(1, len(hidden) + 1):
         logits = runner.compute_logits(hidden[:num_rows])
     vocab_size = logits.shape[-1]
+    candidate_counts = [1 << i for i in range((vocab_size - 1).bit_length())] + [vocab_size]
     sampler = own_sampler(runner, max_num_reqs=2)
-    candidate_counts = [vocab_size]  # the Triton search's kernels are the same for every top-k
-    if not sampler.use_triton:
-        candidate_counts = [1 << i for i in range((vocab_size - 1).bit_length())] + candidate_counts
     for num_rows in (1, 2):
         rows_logits = logits[:num_rows]
         dummy_sample(sampler, rows_logits, greedy=True)
@@ -110,11 +108,11 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     are real."""
     inputs = runner.dummy_inputs(query_lens)
     logits = runner.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
-    # Sampling with a top-k of the whole vocabulary (the PyTorch route's ``topk`` of whole rows, as
-    # large as a sort: its largest buffer), beside min-p (a scaled copy, which the Triton route's
-    # kernels read in fp32), with top-p alone (the PyTorch route's sort) and without a filter, so the
-    # variants of the sampler's kernels (model-dtype and fp32 logits, the search by count and by
-    # mass) compile here.
+    # Sampling with a top-k of the whole vocabulary (``topk`` of whole rows, as large as a sort: the
+    # sampler's largest buffer), alone and beside min-p (a scaled copy, which the Triton route's
+    # kernels read in fp32), with top-p alone (the PyTorch route's sort, the Triton route's search)
+    # and without a filter, so the variants of the sampler's kernels (model-dtype and fp32 logits,
+    # the top-p search) compile here.
     sampler = own_sampler(runner, max_num_reqs=len(query_lens))
     vocab_size = logits.shape[-1]
     dummy_sample(sampler, logits, top_k=vocab_size, top_p=0.9, max_top_k=vocab_size)
