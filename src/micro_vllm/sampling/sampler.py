@@ -67,7 +67,7 @@ class SamplingMetadata:
     max_top_k: int | None = None
     # Whether a row uses top-p without top-k: its nucleus is searched over its whole row.
     top_p_without_top_k: bool = False
-    # int32 [n, words] on the host, xgrammar's layout (token t is bit t % 32 of word t // 32): the
+    # int32 [n, words] on the device, xgrammar's layout (token t is bit t % 32 of word t // 32): the
     # tokens each row's grammar allows, all ones for a row without one; None: no row has one.
     grammar_bitmask: torch.Tensor | None = None
 

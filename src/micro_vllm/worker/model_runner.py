@@ -149,6 +149,9 @@ class ModelRunner:
         self.logits_indices = CpuGpuBuffer((max_reqs,), torch.int64, self.device)
         self.prev_token_dst = CpuGpuBuffer((max_reqs,), torch.int64, self.device)  # step tokens that take ...
         self.prev_token_src = CpuGpuBuffer((max_reqs,), torch.int64, self.device)  # ... the last step's tokens
+        # A structured-output step's bitmask goes over from pinned memory: a copy from pageable memory
+        # would wait for the step in flight and lose async scheduling's overlap.
+        self.grammar_bitmask = CpuGpuBuffer((max_reqs, -(-self.vocab_size // 32)), torch.int32, self.device)
         self.prompt_logprobs = PromptLogprobs(max_tokens, self.device)
         if self.device.type == "cuda":
             warm_up(self)
@@ -290,10 +293,13 @@ class ModelRunner:
         if plan.grammar_bitmask is not None:
             # The plan's bitmask rows in the order of the batch's rows, all ones (no constraint) for
             # the rows without a grammar.
-            bitmask = torch.full((batch.num_reqs, plan.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+            words = plan.grammar_bitmask.shape[1]
+            bitmask = self.grammar_bitmask.np[: batch.num_reqs, :words]
+            bitmask.fill(-1)
+            plan_bitmask = plan.grammar_bitmask.numpy()
             for req_id, plan_row in plan.structured_output_request_ids.items():
-                bitmask[batch.row_of[req_id]] = plan.grammar_bitmask[plan_row]
-            metadata = replace(metadata, grammar_bitmask=bitmask)
+                bitmask[batch.row_of[req_id]] = plan_bitmask[plan_row]
+            metadata = replace(metadata, grammar_bitmask=self.grammar_bitmask.copy_to_device(batch.num_reqs, words))
         return self.sampler.add_row_seeds(metadata, batch.row_seeds(seq_lens))
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
