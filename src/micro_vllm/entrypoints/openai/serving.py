@@ -629,6 +629,13 @@ async def _gather(outputs) -> RequestOutput:
 
 async def _merge(streams: list[AsyncGenerator[_T, None]]) -> AsyncGenerator[tuple[int, _T], None]:
     """The streams' items as they come, each with its stream's position; closing this closes them all."""
+    if len(streams) == 1:
+        # Nothing to merge (every chat request, most completions): iterating the stream itself spares
+        # each item a task and a wait, a good share of the server's work per streamed token.
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
     pending = {asyncio.ensure_future(anext(stream)): position for position, stream in enumerate(streams)}
     try:
         while pending:
