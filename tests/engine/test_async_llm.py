@@ -1,8 +1,9 @@
 """Outputs cross the pipe whole (a pickled output keeps every field). AsyncLLM on a tiny model:
-streamed deltas add up to the offline output, a cancelled caller's request is aborted and its blocks freed, a refused request fails only its caller, a request that
-cannot reach the engine is forgotten, and an engine whose process dies fails every caller and the
-health check, saying how the process ended. No shutdown waits forever: a process that does not stop
-is killed, and one whose parent is gone ends.
+streamed deltas add up to the offline output, a cancelled caller's request is aborted and its blocks
+freed, a refused request fails only its caller, a request that cannot reach the engine is forgotten,
+and an engine whose process dies fails every caller and the health check, saying how the process
+ended. No shutdown waits forever: a process that does not stop is killed, and one whose parent is
+gone ends.
 
 Then the engine process's loop (``EngineCoreProc``) driven over a pipe in this process, its grammar
 compiles held until the test lets them go: the other requests step meanwhile, an abort ends a request
