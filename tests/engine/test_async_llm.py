@@ -1,8 +1,9 @@
-"""AsyncLLM on a tiny model: streamed deltas add up to the offline output, a cancelled caller's
-request is aborted and its blocks freed, a refused request fails only its caller, a request that
-cannot reach the engine is forgotten, and an engine whose process dies fails every caller and the
-health check, saying how the process ended. No shutdown waits forever: a process that does not stop
-is killed, and one whose parent is gone ends.
+"""Outputs cross the pipe whole (a pickled output keeps every field). AsyncLLM on a tiny model:
+streamed deltas add up to the offline output, a cancelled caller's request is aborted and its blocks
+freed, a refused request fails only its caller, a request that cannot reach the engine is forgotten,
+and an engine whose process dies fails every caller and the health check, saying how the process
+ended. No shutdown waits forever: a process that does not stop is killed, and one whose parent is
+gone ends.
 
 Then the engine process's loop (``EngineCoreProc``) driven over a pipe in this process, its grammar
 compiles held until the test lets them go: the other requests step meanwhile, an abort ends a request
@@ -31,6 +32,8 @@ from micro_vllm.engine import async_llm
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from micro_vllm.engine.core_proc import EngineCoreProc
 from micro_vllm.engine.engine import LLMEngine
+from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
+from micro_vllm.logprobs import Logprob
 from helpers.fault_workload import child_env
 from helpers.tiny_models import make_tiny_model, one_torch_thread  # noqa: F401
 
@@ -50,6 +53,14 @@ class RecordingLogger:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return str(make_tiny_model("llama", tmp_path_factory.mktemp("async")))
+
+
+def test_outputs_cross_the_pipe_whole():
+    """Outputs pickle as their fields in order (``__reduce__``): every field, none at its default, comes back."""
+    logprobs = [{7: Logprob(-0.5, 1, "x")}]
+    completion = CompletionOutput(1, "text", [7], -0.5, logprobs, finish_reason="stop", stop_reason="!")
+    output = RequestOutput("id", "prompt", [1, 2], [None, {2: Logprob(-1.0, 2, "y")}], [completion], True, 2)
+    assert pickle.loads(pickle.dumps(output)) == output
 
 
 def start_engine(model):

@@ -1,17 +1,22 @@
 """``to_sampling_params``: OpenAI's defaults, vLLM's rules for max_tokens, and every field mapped to
-its SamplingParams field (no server needed)."""
+its SamplingParams field; a completion stream's chunk written as its model (no server needed)."""
 
 import pytest
 from pydantic import ValidationError
 
 from micro_vllm import RequestOutputKind
+from micro_vllm.engine.request_output import CompletionOutput
 from micro_vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    CompletionResponse,
     OpenAIError,
+    UsageInfo,
     request_field,
     to_sampling_params,
 )
+from micro_vllm.entrypoints.openai.serving import OpenAIServing, PreparedRequest, _completion_chunk, _sse
+from micro_vllm.logprobs import Logprob
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -151,3 +156,24 @@ def test_echo_and_prompt_logprobs():
     assert sampling_params(CompletionRequest(prompt="x", echo=True, max_tokens=0)).max_tokens == 1
     chat = sampling_params(ChatCompletionRequest(messages=MESSAGES, prompt_logprobs=0, stream=True))
     assert (chat.prompt_logprobs, chat.logprobs) == (0, None)
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    {"logprobs": 1, "return_token_ids": True, "echo": True, "stream_options": {"continuous_usage_stats": True,
+                                                                             "include_usage": True}},
+])
+def test_a_completion_chunk_is_the_models_json(fields):
+    """The stream's chunks are plain dicts (``_completion_chunk``), written byte for byte as the models."""
+    serving = OpenAIServing.__new__(OpenAIServing)  # what makes a choice needs no engine
+    serving.tokenizer = None
+    request = CompletionRequest(prompt=[1, 2], max_tokens=3, stream=True, **fields)
+    prepared = PreparedRequest(request, "pr\u00e9", [1, 2], to_sampling_params(request, 2, 10))
+    logprobs = [{5: Logprob(-0.25, 1, "x"), 6: Logprob(float("-inf"), 2, "y")}]
+    for first, finish_reason, stop_reason in ((True, None, None), (False, "stop", 7), (False, "length", "\u00e9!")):
+        completion = CompletionOutput(0, "t\u00e9xt \u2028", [5], -0.25, logprobs, finish_reason, stop_reason)
+        choice = serving._completion_choice(request, prepared, completion, 3, [None, None], first, 4)
+        usage = UsageInfo(prompt_tokens=2, completion_tokens=1, total_tokens=3) if fields else None
+        for choices in ([choice], []):
+            model = CompletionResponse(id="cmpl-1", created=17, model="m", choices=choices, usage=usage)
+            assert _sse(_completion_chunk("cmpl-1", 17, "m", choices, usage)) == f"data: {model.model_dump_json()}\n\n"

@@ -27,6 +27,11 @@ What it sends back, in order, one message each:
 - ``("stats", scheduler_stats)`` at start, whenever the engine falls idle, and at shutdown;
 - ``("dead", error)`` last, when the loop stops: shutdown, an error in a step, or an engine that
   could not be built.
+
+An output thread (vLLM's engine core has one too) pickles and sends them, in order: in the step loop,
+a step's outputs (a few hundred objects) would take a millisecond or more to pickle and could wait on
+a full pipe while the other side catches up, and every step would wait with them. On a GPU the thread
+does it while the loop waits for the next step's tokens, holding no GIL.
 """
 
 from __future__ import annotations
@@ -98,31 +103,51 @@ class EngineCoreProc:
         # freeze is the whole process's, and an offline LLM leaves its caller's heap alone.
         gc.collect()
         gc.freeze()
-        # The commands from the pipe, and ("compiled",) whenever a grammar has compiled, in order.
+        # The commands from the pipe, ("compiled",) whenever a grammar has compiled, and ("failed", error)
+        # when a command cannot be read or a message sent, in order.
         self.input_queue: queue.Queue[tuple] = queue.Queue()
         self.grammars = PendingGrammars(lambda: self.input_queue.put(("compiled",)))
         threading.Thread(target=self._read_commands, name="micro-vllm-inputs", daemon=True).start()
+        self.output_queue: queue.Queue[tuple] = queue.Queue()  # the messages to send, in order
+        self.output_thread = threading.Thread(target=self._send_outputs, name="micro-vllm-outputs", daemon=True)
+        self.output_thread.start()
 
     def run(self) -> None:
         engine = self.engine
         try:
-            self.conn.send(("stats", engine.scheduler.make_stats()))  # the loggers learn the KV cache's size
+            self._send(("stats", engine.scheduler.make_stats()))  # the loggers learn the KV cache's size
             while self._handle_inputs(block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    self.conn.send(("outputs", self._compact(outputs), engine.last_step_stats,
-                                    engine.take_iteration_stats()))
+                    self._send(("outputs", self._compact(outputs), engine.last_step_stats,
+                                engine.take_iteration_stats()))
                 if not engine.has_unfinished_requests():
-                    self.conn.send(("stats", engine.scheduler.make_stats()))
-            self.conn.send(("stats", engine.scheduler.make_stats()))
+                    self._send(("stats", engine.scheduler.make_stats()))
+            self._send(("stats", engine.scheduler.make_stats()))
             error: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as failure:  # noqa: BLE001 - whatever stops the loop fails every caller
             error = failure
         self.grammars.shutdown()
-        try:
-            self.conn.send(("dead", _picklable(error)))
-        except OSError:
-            pass  # the other side is gone: nobody to tell
+        self._send(("dead", _picklable(error)))
+        self.output_thread.join()  # everything sent before the process ends
+
+    def _send(self, message: tuple) -> None:
+        self.output_queue.put(message)
+
+    def _send_outputs(self) -> None:
+        """The output thread: each message to the pipe, until "dead" has gone or the other side is gone.
+        A message that cannot be sent otherwise (pickling failed) stops the loop with its error."""
+        while True:
+            message = self.output_queue.get()
+            try:
+                self.conn.send(message)
+            except OSError:
+                return  # the other side is gone: nobody to tell
+            except BaseException as error:  # noqa: BLE001 - the loop raises it, and "dead" follows
+                self.input_queue.put(("failed", error))
+                continue
+            if message[0] == "dead":
+                return
 
     def _read_commands(self) -> None:
         """The input thread: each command into the queue as it comes, until shutdown; the other end
@@ -136,7 +161,7 @@ class EngineCoreProc:
         except EOFError:
             self.input_queue.put(("shutdown",))
         except BaseException as error:  # noqa: BLE001 - the loop raises it
-            self.input_queue.put(("unreadable", error))
+            self.input_queue.put(("failed", error))
 
     def _handle_inputs(self, block: bool) -> bool:
         """Apply every command in the queue, and add the requests whose grammar has compiled, waiting
@@ -157,7 +182,7 @@ class EngineCoreProc:
         kind = command[0]
         if kind == "shutdown":
             return False
-        if kind == "unreadable":
+        if kind == "failed":  # a command could not be read, or a message sent
             raise command[1]
         if kind == "compiled":
             self._add_compiled()
@@ -210,10 +235,10 @@ class EngineCoreProc:
         else:
             outputs = self.engine.abort_request(request_id)
         if outputs:
-            self.conn.send(("outputs", self._compact(outputs), None, self.engine.take_iteration_stats()))
+            self._send(("outputs", self._compact(outputs), None, self.engine.take_iteration_stats()))
 
     def _refuse(self, request_id: str, error: BaseException) -> None:
-        self.conn.send(("refused", request_id, _picklable(error)))
+        self._send(("refused", request_id, _picklable(error)))
 
     def _compact(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Send a request's prompt with its first output only: the other side keeps it from there."""

@@ -23,6 +23,7 @@ import itertools
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,6 @@ from micro_vllm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    CompletionResponseChoice,
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -369,7 +369,14 @@ class OpenAIServing:
         then the whole usage if asked, then [DONE]. An engine that dies mid-stream ends it with an error
         event (the status was sent already)."""
         chat = isinstance(request, ChatCompletionRequest)
-        response_cls = ChatCompletionStreamResponse if chat else CompletionResponse
+        created = int(time.time())  # every chunk of a stream has the same (OpenAI's rule)
+
+        def chunk(choices: list, usage: UsageInfo | None) -> str:
+            if chat:
+                return _sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
+                                                         usage=usage))
+            return _sse(_completion_chunk(request_id, created, model, choices, usage))
+
         continuous_usage = request.include_continuous_usage
         num_tokens: dict[int, int] = {}  # each choice's tokens so far, by index
         text_lengths: dict[int, int] = {}  # each choice's text so far (the logprobs' text_offset), by index
@@ -387,7 +394,7 @@ class OpenAIServing:
                         num_tokens[index] = num_tokens.get(index, 0) + _num_completion_tokens(request, completion)
                         if first and chat:
                             chat_deltas[index] = _ChatDeltas(tool_parser_for(request, self.tool_parser))
-                            yield _sse(_chat_role_chunk(request, one, index, request_id, model))
+                            yield _sse(_chat_role_chunk(request, one, index, request_id, created, model))
                         if not (first or completion.token_ids or completion.finish_reason):
                             continue
                         if chat:
@@ -398,15 +405,15 @@ class OpenAIServing:
                             choice = self._completion_choice(request, one, completion, index,
                                                              prompt_logprobs.get(prompt_index), first,
                                                              text_lengths.get(index, 0))
-                            text_lengths[index] = text_lengths.get(index, 0) + len(choice.text)
+                            text_lengths[index] = text_lengths.get(index, 0) + len(choice["text"])
                         usage = _usage(len(one.token_ids), num_tokens[index]) if continuous_usage else None
-                        yield _sse(response_cls(id=request_id, model=model, choices=[choice], usage=usage))
+                        yield chunk([choice], usage)
         except EngineDeadError as error:
             yield _sse(error_response(str(error), HTTPStatus.INTERNAL_SERVER_ERROR))
         else:
             if request.include_usage:
                 usage = _usage(sum(len(one.token_ids) for one in prepared), sum(num_tokens.values()))
-                yield _sse(response_cls(id=request_id, model=model, choices=[], usage=usage))
+                yield chunk([], usage)
         yield "data: [DONE]\n\n"
 
     def _chat_stream_choice(self, request: ChatCompletionRequest, completion: CompletionOutput,
@@ -435,9 +442,10 @@ class OpenAIServing:
 
     def _completion_choice(self, request: CompletionRequest, prepared: PreparedRequest, completion: CompletionOutput,
                            index: int, prompt_logprobs: list | None, first: bool,
-                           text_offset: int = 0) -> CompletionResponseChoice:
+                           text_offset: int = 0) -> dict:
         """A completion's choice, or a stream's chunk of it (``first``: its first chunk, where ``echo``
-        puts the prompt: its text, its tokens' logprobs, and with ``return_token_ids`` its ids)."""
+        puts the prompt: its text, its tokens' logprobs, and with ``return_token_ids`` its ids): the
+        fields of a ``CompletionResponseChoice``, in its order (``_completion_chunk`` says why a dict)."""
         echo = first and request.echo
         shown = not request.echo_only  # else the prompt alone: the one token sampled is left out
         text = (prepared.text if echo else "") + (completion.text if shown else "")
@@ -452,13 +460,13 @@ class OpenAIServing:
                 token_ids += completion.token_ids
                 positions += completion.logprobs or [None] * len(completion.token_ids)
             logprobs = self._completion_logprobs(request, token_ids, positions, text_offset)
-        return CompletionResponseChoice(
-            index=index, text=text, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-            logprobs=logprobs,
-            token_ids=(completion.token_ids if shown else []) if request.return_token_ids else None,
-            prompt_logprobs=_json_prompt_logprobs(prompt_logprobs) if not request.stream else None,
-            prompt_token_ids=prepared.token_ids if request.return_token_ids and first else None,
-        )
+        return {
+            "index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+            "token_ids": (completion.token_ids if shown else []) if request.return_token_ids else None,
+            "prompt_logprobs": _json_prompt_logprobs(prompt_logprobs) if not request.stream else None,
+            "prompt_token_ids": prepared.token_ids if request.return_token_ids and first else None,
+        }
 
     def _token_text(self, token_id: int, logprob: Logprob | None, as_id: bool) -> str:
         """A token as logprobs name it: "token_id:N" (``return_tokens_as_token_ids``), else its text."""
@@ -629,6 +637,13 @@ async def _gather(outputs) -> RequestOutput:
 
 async def _merge(streams: list[AsyncGenerator[_T, None]]) -> AsyncGenerator[tuple[int, _T], None]:
     """The streams' items as they come, each with its stream's position; closing this closes them all."""
+    if len(streams) == 1:
+        # Nothing to merge (every chat request, most completions): iterating the stream itself spares
+        # each item a task and a wait, a good share of the server's work per streamed token.
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
     pending = {asyncio.ensure_future(anext(stream)): position for position, stream in enumerate(streams)}
     try:
         while pending:
@@ -650,11 +665,11 @@ async def _merge(streams: list[AsyncGenerator[_T, None]]) -> AsyncGenerator[tupl
 
 
 def _chat_role_chunk(request: ChatCompletionRequest, prepared: PreparedRequest, index: int, request_id: str,
-                     model: str) -> ChatCompletionStreamResponse:
+                     created: int, model: str) -> ChatCompletionStreamResponse:
     """A chat choice's first chunk: the role, and with ``return_token_ids`` the prompt's ids."""
     role = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
     return ChatCompletionStreamResponse(
-        id=request_id, model=model, choices=[role],
+        id=request_id, created=created, model=model, choices=[role],
         prompt_token_ids=prepared.token_ids if request.return_token_ids else None,
         usage=_usage(len(prepared.token_ids), 0) if request.include_continuous_usage else None)
 
@@ -673,8 +688,19 @@ def _json_prompt_logprobs(prompt_logprobs: list[dict[int, Logprob] | None] | Non
         for token_id, lp in position.items()} for position in prompt_logprobs]
 
 
-def _sse(response) -> str:
-    return f"data: {response.model_dump_json()}\n\n"
+def _completion_chunk(request_id: str, created: int, model: str, choices: list[dict],
+                      usage: UsageInfo | None) -> dict:
+    """A completion stream's chunk: a ``CompletionResponse``'s fields in its order, its choices those of
+    ``_completion_choice``. Plain dicts, which pydantic's serializer writes as it writes the models
+    (tests/entrypoints/test_protocol.py checks it byte for byte): a stream makes one for every token of
+    every request, and validating what the server made itself would take a good share of its time."""
+    return {"id": request_id, "created": created, "model": model, "object": "text_completion", "choices": choices,
+            "usage": usage}
+
+
+def _sse(response: BaseModel | dict) -> str:
+    """A server-sent event of the JSON of a response model, or of a dict of its fields."""
+    return f"data: {pydantic_core.to_json(response).decode()}\n\n"
 
 
 def _usage(num_prompt_tokens: int, completion_tokens: int) -> UsageInfo:
