@@ -15,7 +15,8 @@
 #     bash benchmarks/peer_workloads.sh MODEL_DIR
 # The environment (vLLM from a bundle, EXTRA_WHEELS) is benchmarks/peer_env.sh's. The json-schema
 # workload needs the real xgrammar, which vLLM's wheels only stub, and what it imports (pydantic and its
-# needs in the versions of vLLM's wheels, so that shadowing those changes nothing), as EXTRA_WHEELS:
+# needs in the versions of vLLM's wheels, so that shadowing those changes nothing), and lm-format-enforcer
+# with interegular, which vLLM imports to validate any request with a schema, as EXTRA_WHEELS:
 #   EXTRA_WHEELS=.whlso WORKLOADS=json-schema MAX_MODEL_LEN=2048 bash benchmarks/peer_workloads.sh MODEL_DIR
 set -u
 [ $# -eq 1 ] || { echo "usage: bash benchmarks/peer_workloads.sh MODEL_DIR"; exit 2; }
