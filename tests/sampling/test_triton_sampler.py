@@ -134,8 +134,8 @@ def _kernel_metadata(temperature, seeds, top_k=None, top_p=None) -> SamplingMeta
 
 
 def test_a_row_draws_the_same_token_beside_filtered_rows():
-    """A batch with a top-k row takes the search's thresholds; the other rows (-inf) must keep the
-    draw they get without a filter (same scores, same seeds), greedy rows their argmax."""
+    """A batch with a top-k row takes per-row thresholds; the other rows (-inf) must keep the draw
+    they get without a filter (same scores, same seeds), greedy rows their argmax."""
     torch.manual_seed(3)
     logits = (torch.randn(17, 300) * 2).to(torch.bfloat16)
     temperature = torch.rand(17) + 0.5
