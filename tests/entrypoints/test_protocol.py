@@ -1,5 +1,5 @@
 """``to_sampling_params``: OpenAI's defaults, vLLM's rules for max_tokens, and every field mapped to
-its SamplingParams field; a completion stream's chunk written as its model (no server needed)."""
+its SamplingParams field; a completion or chat stream's chunk written as its model (no server needed)."""
 
 import pytest
 from pydantic import ValidationError
@@ -8,14 +8,25 @@ from micro_vllm import RequestOutputKind
 from micro_vllm.engine.request_output import CompletionOutput
 from micro_vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
     CompletionRequest,
     CompletionResponse,
+    DeltaMessage,
     OpenAIError,
     UsageInfo,
     request_field,
     to_sampling_params,
 )
-from micro_vllm.entrypoints.openai.serving import OpenAIServing, PreparedRequest, _completion_chunk, _sse
+from micro_vllm.entrypoints.openai.serving import (
+    OpenAIServing,
+    PreparedRequest,
+    _chat_role_chunk,
+    _ChatDeltas,
+    _sse,
+    _stream_chunk,
+)
+from micro_vllm.entrypoints.openai.tool_parsers import ToolParserManager
 from micro_vllm.logprobs import Logprob
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -164,7 +175,7 @@ def test_echo_and_prompt_logprobs():
                                                                              "include_usage": True}},
 ])
 def test_a_completion_chunk_is_the_models_json(fields):
-    """The stream's chunks are plain dicts (``_completion_chunk``), written byte for byte as the models."""
+    """The stream's chunks are plain dicts (``_stream_chunk``), written byte for byte as the models."""
     serving = OpenAIServing.__new__(OpenAIServing)  # what makes a choice needs no engine
     serving.tokenizer = None
     request = CompletionRequest(prompt=[1, 2], max_tokens=3, stream=True, **fields)
@@ -176,4 +187,39 @@ def test_a_completion_chunk_is_the_models_json(fields):
         usage = UsageInfo(prompt_tokens=2, completion_tokens=1, total_tokens=3) if fields else None
         for choices in ([choice], []):
             model = CompletionResponse(id="cmpl-1", created=17, model="m", choices=choices, usage=usage)
-            assert _sse(_completion_chunk("cmpl-1", 17, "m", choices, usage)) == f"data: {model.model_dump_json()}\n\n"
+            assert _sse(_stream_chunk(False, "cmpl-1", 17, "m", choices, usage)) == f"data: {model.model_dump_json()}\n\n"
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    {"logprobs": True, "top_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True,
+     "stream_options": {"continuous_usage_stats": True, "include_usage": True}},
+    {"logprobs": True, "tools": [{"function": {"name": "f"}}], "tool_choice": "auto"},
+])
+def test_a_chat_chunk_is_the_models_json(fields):
+    """A chat stream's chunks too, the role's first and the usage's last, and a tool parser's deltas."""
+    serving = OpenAIServing.__new__(OpenAIServing)  # what makes a choice needs no engine
+    serving.tokenizer = None
+    parser = ToolParserManager.get_tool_parser("hermes") if "tools" in fields else None
+    request = ChatCompletionRequest(messages=MESSAGES, max_tokens=3, stream=True, **fields)
+    prepared = PreparedRequest(request, "pr\u00e9", [1, 2], to_sampling_params(request, 2, 10))
+    usage = UsageInfo(prompt_tokens=2, completion_tokens=0, total_tokens=2)
+    role = ChatCompletionStreamChoice(index=3, delta=DeltaMessage(role="assistant", content=""))
+    expected = ChatCompletionStreamResponse(
+        id="chatcmpl-1", created=17, model="m", choices=[role], prompt_token_ids=[1, 2] if request.return_token_ids else None,
+        usage=usage if "stream_options" in fields else None)
+    assert _sse(_chat_role_chunk(request, prepared, 3, "chatcmpl-1", 17, "m")) == \
+        f"data: {expected.model_dump_json()}\n\n"
+    logprobs = [{5: Logprob(-0.25, 1, "x"), 6: Logprob(float("-inf"), 2, "y")}]
+    deltas, streamed = _ChatDeltas(parser() if parser else None), ""
+    for text, finish_reason, stop_reason in (("t\u00e9xt \u2028", None, None),
+                                             ('<tool_call>{"name": "f", "arguments": {"a": 1}}', None, 7),
+                                             ("</tool_call>", "stop", "\u00e9!")):
+        completion = CompletionOutput(3, text, [5], -0.25, logprobs if fields else None, finish_reason, stop_reason)
+        choice = serving._chat_stream_choice(request, completion, deltas)
+        for choices in ([choice], []):
+            model = ChatCompletionStreamResponse(id="chatcmpl-1", created=17, model="m", choices=choices, usage=usage)
+            chunk = _stream_chunk(True, "chatcmpl-1", 17, "m", choices, usage)
+            assert _sse(chunk) == f"data: {model.model_dump_json()}\n\n"
+            streamed += _sse(chunk)
+    assert ('"tool_calls":[{"index":0' in streamed) == (parser is not None)  # the parser's deltas were there

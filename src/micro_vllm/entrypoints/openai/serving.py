@@ -38,14 +38,9 @@ from pydantic import BaseModel, ValidationError
 from micro_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
 from micro_vllm.entrypoints.openai.protocol import (
-    ChatChoiceLogprobs,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatLogprob,
-    ChatLogprobContent,
     ChatMessage,
     ChatMessageParam,
     CompletionLogprobs,
@@ -371,11 +366,8 @@ class OpenAIServing:
         chat = isinstance(request, ChatCompletionRequest)
         created = int(time.time())  # every chunk of a stream has the same (OpenAI's rule)
 
-        def chunk(choices: list, usage: UsageInfo | None) -> str:
-            if chat:
-                return _sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
-                                                         usage=usage))
-            return _sse(_completion_chunk(request_id, created, model, choices, usage))
+        def chunk(choices: list[dict], usage: UsageInfo | None) -> str:
+            return _sse(_stream_chunk(chat, request_id, created, model, choices, usage))
 
         continuous_usage = request.include_continuous_usage
         num_tokens: dict[int, int] = {}  # each choice's tokens so far, by index
@@ -417,18 +409,17 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     def _chat_stream_choice(self, request: ChatCompletionRequest, completion: CompletionOutput,
-                            chat_deltas: _ChatDeltas) -> ChatCompletionStreamChoice | None:
+                            chat_deltas: _ChatDeltas) -> dict | None:
         """A chat choice's chunk of new output, read through its ``chat_deltas`` (its text as it is, or
-        what its tool parser finds); None where the tool parser holds all of it back."""
+        what its tool parser finds); None where the tool parser holds all of it back. The fields of a
+        ``ChatCompletionStreamChoice``, in its order (``_stream_chunk`` says why a dict)."""
         delta, finish_reason = chat_deltas.delta(completion)
         logprobs = self._chat_logprobs(request, completion.token_ids, completion.logprobs)
         token_ids = completion.token_ids if request.return_token_ids else None
         if delta is None and finish_reason is None and logprobs is None and not token_ids:
             return None
-        return ChatCompletionStreamChoice(
-            index=completion.index, delta=delta or DeltaMessage(), finish_reason=finish_reason,
-            stop_reason=completion.stop_reason, logprobs=logprobs, token_ids=token_ids,
-        )
+        return {"index": completion.index, "delta": delta or _delta_message(), "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": completion.stop_reason, "token_ids": token_ids}
 
     def _chat_message(self, request: ChatCompletionRequest, completion: CompletionOutput) -> dict:
         """A whole chat choice's ``message`` and ``finish_reason``: its text, or the tool calls in it."""
@@ -445,7 +436,7 @@ class OpenAIServing:
                            text_offset: int = 0) -> dict:
         """A completion's choice, or a stream's chunk of it (``first``: its first chunk, where ``echo``
         puts the prompt: its text, its tokens' logprobs, and with ``return_token_ids`` its ids): the
-        fields of a ``CompletionResponseChoice``, in its order (``_completion_chunk`` says why a dict)."""
+        fields of a ``CompletionResponseChoice``, in its order (``_stream_chunk`` says why a dict)."""
         echo = first and request.echo
         shown = not request.echo_only  # else the prompt alone: the one token sampled is left out
         text = (prepared.text if echo else "") + (completion.text if shown else "")
@@ -500,21 +491,22 @@ class OpenAIServing:
         return result
 
     def _chat_logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
-                       logprobs: list[dict] | None) -> ChatChoiceLogprobs | None:
-        """OpenAI's chat shape: each position's sampled token, and the ``request.top_logprobs`` best."""
+                       logprobs: list[dict] | None) -> dict | None:
+        """OpenAI's chat shape: each position's sampled token, and the ``request.top_logprobs`` best. The
+        fields of a ``ChatChoiceLogprobs``, in its order (``_stream_chunk`` says why a dict)."""
         if not logprobs:
             return None
         top_n = request.top_logprobs or 0
-        def entry(token_id: int, logprob: Logprob) -> ChatLogprob:
+        def entry(token_id: int, logprob: Logprob) -> dict:  # a ChatLogprob's fields
             token = self._token_text(token_id, logprob, request.return_tokens_as_token_ids)
-            return ChatLogprob(token=token, logprob=_json_logprob(logprob.logprob), bytes=list(token.encode()))
+            return {"token": token, "logprob": _json_logprob(logprob.logprob), "bytes": list(token.encode())}
 
         content = []
         for token_id, position in zip(token_ids, logprobs):
-            sampled = entry(token_id, position[token_id])
-            top = [entry(t, lp) for t, lp in position.items() if lp.rank <= top_n]
-            content.append(ChatLogprobContent(**sampled.model_dump(), top_logprobs=top))
-        return ChatChoiceLogprobs(content=content)
+            sampled = entry(token_id, position[token_id])  # with its top ones, a ChatLogprobContent's fields
+            sampled["top_logprobs"] = [entry(t, lp) for t, lp in position.items() if lp.rank <= top_n]
+            content.append(sampled)
+        return {"content": content}
 
 
 class _ChatDeltas:
@@ -524,10 +516,11 @@ class _ChatDeltas:
         self.tool_parser = tool_parser
         self.text = ""
 
-    def delta(self, completion: CompletionOutput) -> tuple[DeltaMessage | None, str | None]:
-        """The delta for the choice's new output, and its finish reason."""
+    def delta(self, completion: CompletionOutput) -> tuple[dict | DeltaMessage | None, str | None]:
+        """The delta for the choice's new output (a tool parser's ``DeltaMessage``, which pydantic writes as
+        the dict of its fields), and its finish reason."""
         if self.tool_parser is None:
-            return DeltaMessage(content=completion.text), completion.finish_reason
+            return _delta_message(content=completion.text), completion.finish_reason
         self.text += completion.text
         finished = completion.finish_reason is not None
         delta = self.tool_parser.extract_tool_calls_streaming(self.text, finished)
@@ -665,13 +658,18 @@ async def _merge(streams: list[AsyncGenerator[_T, None]]) -> AsyncGenerator[tupl
 
 
 def _chat_role_chunk(request: ChatCompletionRequest, prepared: PreparedRequest, index: int, request_id: str,
-                     created: int, model: str) -> ChatCompletionStreamResponse:
+                     created: int, model: str) -> dict:
     """A chat choice's first chunk: the role, and with ``return_token_ids`` the prompt's ids."""
-    role = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-    return ChatCompletionStreamResponse(
-        id=request_id, created=created, model=model, choices=[role],
-        prompt_token_ids=prepared.token_ids if request.return_token_ids else None,
-        usage=_usage(len(prepared.token_ids), 0) if request.include_continuous_usage else None)
+    role = {"index": index, "delta": _delta_message(role="assistant", content=""), "logprobs": None,
+            "finish_reason": None, "stop_reason": None, "token_ids": None}
+    return _stream_chunk(True, request_id, created, model, [role],
+                         _usage(len(prepared.token_ids), 0) if request.include_continuous_usage else None,
+                         prepared.token_ids if request.return_token_ids else None)
+
+
+def _delta_message(role: str | None = None, content: str | None = None) -> dict:
+    """A ``DeltaMessage``'s fields, in its order, without tool calls (``_stream_chunk`` says why a dict)."""
+    return {"role": role, "content": content, "tool_calls": None}
 
 
 def _num_completion_tokens(request, completion: CompletionOutput) -> int:
@@ -688,14 +686,18 @@ def _json_prompt_logprobs(prompt_logprobs: list[dict[int, Logprob] | None] | Non
         for token_id, lp in position.items()} for position in prompt_logprobs]
 
 
-def _completion_chunk(request_id: str, created: int, model: str, choices: list[dict],
-                      usage: UsageInfo | None) -> dict:
-    """A completion stream's chunk: a ``CompletionResponse``'s fields in its order, its choices those of
-    ``_completion_choice``. Plain dicts, which pydantic's serializer writes as it writes the models
-    (tests/entrypoints/test_protocol.py checks it byte for byte): a stream makes one for every token of
-    every request, and validating what the server made itself would take a good share of its time."""
-    return {"id": request_id, "created": created, "model": model, "object": "text_completion", "choices": choices,
-            "usage": usage}
+def _stream_chunk(chat: bool, request_id: str, created: int, model: str, choices: list[dict],
+                  usage: UsageInfo | None, prompt_token_ids: list[int] | None = None) -> dict:
+    """A stream's chunk: a ``ChatCompletionStreamResponse``'s fields in its order (chat), else a
+    ``CompletionResponse``'s; its choices those of ``_chat_stream_choice`` or ``_completion_choice``.
+    Plain dicts, which pydantic's serializer writes as it writes the models (tests/entrypoints/
+    test_protocol.py checks it byte for byte): a stream makes one for every token of every request, and
+    validating what the server made itself would take a good share of its time."""
+    chunk = {"id": request_id, "created": created, "model": model,
+             "object": "chat.completion.chunk" if chat else "text_completion", "choices": choices, "usage": usage}
+    if chat:
+        chunk["prompt_token_ids"] = prompt_token_ids
+    return chunk
 
 
 def _sse(response: BaseModel | dict) -> str:
