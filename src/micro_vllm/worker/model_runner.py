@@ -295,7 +295,8 @@ class ModelRunner:
             # the rows without a grammar.
             words = plan.grammar_bitmask.shape[1]
             bitmask = self.grammar_bitmask.np[: batch.num_reqs, :words]
-            bitmask.fill(-1)
+            if len(plan.structured_output_request_ids) < batch.num_reqs:
+                bitmask.fill(-1)
             plan_bitmask = plan.grammar_bitmask.numpy()
             for req_id, plan_row in plan.structured_output_request_ids.items():
                 bitmask[batch.row_of[req_id]] = plan_bitmask[plan_row]
