@@ -145,10 +145,13 @@ class Scheduler:
 
     def get_grammar_bitmask(self, requests: list[Request]) -> torch.Tensor | None:
         """The tokens each of ``requests`` may sample next, one bitmask row each; None for no request.
-        A copy: the plan owns it, and the manager's buffer is refilled by the next plan."""
+        A view of the manager's buffer, which the next plan refills: not a copy, because every
+        executor reads or pickles it while it executes the plan, and a plan that samples under a
+        grammar is never left in flight while the next is made (``LLMEngine._execute``). A copy of
+        256 rows of a 150k vocabulary took about 1 ms a step."""
         if not requests:
             return None
-        return self.structured_output_manager.grammar_bitmask([r.grammar for r in requests]).clone()
+        return self.structured_output_manager.grammar_bitmask([r.grammar for r in requests])
 
     def make_stats(self, step: _StepBuilder | None = None) -> SchedulerStats:
         """A snapshot of the queues and the KV cache as they are now, with what ``step`` planned

@@ -78,6 +78,7 @@ class SchedulerOutput:
     preempted_req_ids: frozenset[str]  # preempted this step: the runner drops them too
     # The structured-output requests that sample this step -> their row of ``grammar_bitmask`` (an
     # int32 CPU tensor, one bit per vocabulary id: the tokens each may sample); None when there are none.
+    # The bitmask is valid until the next plan is made (Scheduler.get_grammar_bitmask).
     structured_output_request_ids: Mapping[str, int] = field(default_factory=dict)
     grammar_bitmask: torch.Tensor | None = None
 
