@@ -17,7 +17,7 @@
 # workload needs the real xgrammar, which vLLM's wheels only stub, and what it imports (pydantic and its
 # needs in the versions of vLLM's wheels, so that shadowing those changes nothing), and lm-format-enforcer
 # with interegular, which vLLM imports to validate any request with a schema, as EXTRA_WHEELS:
-#   EXTRA_WHEELS=.whlso WORKLOADS=json-schema MAX_MODEL_LEN=2048 bash benchmarks/peer_workloads.sh MODEL_DIR
+#   EXTRA_WHEELS=.whlso WORKLOADS=json-schema MAX_MODEL_LEN=4096 bash benchmarks/peer_workloads.sh MODEL_DIR
 set -u
 [ $# -eq 1 ] || { echo "usage: bash benchmarks/peer_workloads.sh MODEL_DIR"; exit 2; }
 MODEL=$1
