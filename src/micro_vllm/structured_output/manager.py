@@ -84,8 +84,8 @@ class StructuredOutputManager:
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=_XGRAMMAR_THREADS,
                                             cache_limit_bytes=_COMPILER_CACHE_BYTES)
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
-        # Fills the rows of all live grammars in one call, on threads of its own (not one Python call
-        # per row: a step of 256 constrained rows spent 3 ms building its bitmask that way).
+        # Fills the rows of all live grammars in one call, on threads of its own: a step under a
+        # grammar waits for its bitmask, and one Python call per row made that wait a large part of it.
         self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_XGRAMMAR_THREADS)
 
     def grammar_init(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
