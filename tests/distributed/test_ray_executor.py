@@ -1,12 +1,12 @@
 """The Ray executor: one Ray actor per rank, on a local Ray instance of 2 CPUs (gloo).
 
-Two ranks on Ray actors give exactly the tokens of one rank in process and of two ranks in processes
-of their own (the fault tests' workload: chunked prefill, prefix hits, preemption, sliding windows,
-seeded sampling, stop strings), and a failed step's rollback reaches every actor. An actor killed
-mid-run fails the requests with EngineDeadError and leaves no actor process, no placement group and
-no reserved CPU behind; so does a rank that cannot start (its error reaching the caller), and so does
-shutdown. A cluster without the GPUs the ranks need refuses at once. Without Ray installed, the flag
-is refused with the way to install it.
+Two ranks on Ray actors give exactly the tokens of one rank in process (the fault tests' workload:
+chunked prefill, prefix hits, preemption, sliding windows, seeded sampling, stop strings), as two ranks
+in processes of their own do (test_tensor_parallel_engine.py), and a failed step's rollback reaches
+every actor. An actor killed mid-run fails the requests with EngineDeadError and leaves no actor
+process, no placement group and no reserved CPU behind; so does a rank that cannot start (its error
+reaching the caller), and so does shutdown. A cluster without the GPUs the ranks need refuses at
+once. Without Ray installed, the flag is refused with the way to install it.
 
 Starting Ray and each executor's actors is what costs: one Ray instance for the module, one engine
 shared by the tests that use ``ray_llm`` (in file order: the last of them kills an actor).
@@ -67,16 +67,11 @@ def ray_llm(ray_cluster, model_dir):
     llm.shutdown()
 
 
-def test_two_ranks_on_ray_give_the_tokens_of_one_rank_and_of_two_processes(ray_llm, expected, model_dir):
+def test_two_ranks_on_ray_give_the_tokens_of_one_rank(ray_llm, expected):
     assert isinstance(ray_llm.engine.executor, RayDistributedExecutor)
     preempted = record_preemptions(ray_llm)
     assert token_ids(ray_llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
     assert preempted
-    mp_llm = make_llm(model_dir, tensor_parallel_size=2, distributed_executor_backend="mp")
-    try:
-        assert token_ids(mp_llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
-    finally:
-        mp_llm.shutdown()
 
 
 def test_a_rollback_reaches_every_actor(ray_llm, expected):

@@ -26,8 +26,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.server import TINY_CHAT_SERVER, metric, serve_process, spawned_by
-from helpers.tiny_models import BOS_TOKEN_ID, make_tiny_model
+from helpers.server import TINY_CHAT_SERVER, metric, spawned_by
+from helpers.tiny_models import BOS_TOKEN_ID
 
 API_KEY = TINY_CHAT_SERVER.api_key
 MODEL = TINY_CHAT_SERVER.served_model_name
@@ -364,15 +364,6 @@ def test_penalties_min_p_and_min_tokens_are_accepted(client):
 def test_logit_bias_forces_a_token(client):
     response = complete(client, "Hello", logit_bias={str(ord("z")): 100}, max_tokens=4, extra_body={"ignore_eos": True})
     assert response.choices[0].text == "zzzz"
-
-
-@pytest.fixture(scope="module")
-def one_slot_server(tmp_path_factory):
-    """A server that runs one request at a time, with a long context; the last test here kills its engine."""
-    model = make_tiny_model("llama", tmp_path_factory.mktemp("one_slot"), max_position_embeddings=4096)
-    with serve_process(str(model), "--max-model-len", "4096", "--max-num-seqs", "1", "--max-num-batched-tokens",
-                       "256", "--block-size", "16") as server:
-        yield server
 
 
 def test_tools_with_auto_tool_choice_need_its_flags(one_slot_server):

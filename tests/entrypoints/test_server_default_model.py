@@ -8,9 +8,8 @@ import json
 import openai
 import pytest
 
-
 from micro_vllm.model_loader.default_model_download import DEFAULT_MODEL, DefaultModelUnavailable, default_model_path
-from helpers.server import serve
+from helpers.server import serve_process
 
 pytestmark = pytest.mark.real_model
 
@@ -21,9 +20,9 @@ def client():
         model_dir = default_model_path()
     except DefaultModelUnavailable as e:  # no PyPI access, or gguf/accelerate missing
         pytest.skip(f"default model unavailable: {e}")
-    with serve(str(model_dir), "--served-model-name", DEFAULT_MODEL, "--max-model-len", "256",
-               "--attention-backend", "sdpa") as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with serve_process(str(model_dir), "--served-model-name", DEFAULT_MODEL, "--max-model-len", "256",
+                       "--attention-backend", "sdpa") as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def test_chat_answers_through_the_chat_template(client):

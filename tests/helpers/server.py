@@ -1,4 +1,4 @@
-"""A real ``micro-vllm serve`` process for tests: started on a free port, waited for until /health
+"""Real ``micro-vllm serve`` processes for tests: each started on a free port, waited for until /health
 answers, stopped at the end; its log is kept for the test to read."""
 
 from __future__ import annotations
@@ -73,13 +73,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextlib.contextmanager
-def serve(model: str, *args: str, startup_timeout: float = 180.0) -> Iterator[str]:
-    """Run ``micro-vllm serve MODEL ARGS`` on CPU; yield its base URL ("http://127.0.0.1:PORT")."""
-    with serve_process(model, *args, startup_timeout=startup_timeout) as server:
-        yield server.url
-
-
 @dataclasses.dataclass
 class ServerProcess:
     url: str
@@ -93,7 +86,26 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def serve_process(model: str, *args: str, startup_timeout: float = 180.0) -> Iterator[ServerProcess]:
-    """``serve``, yielding the server's process and its log too."""
+    """Run ``micro-vllm serve MODEL ARGS`` on CPU until the block ends; yield it once /health answers."""
+    with serve_processes({"server": [model, *args]}, startup_timeout) as servers:
+        yield servers["server"]
+
+
+@contextlib.contextmanager
+def serve_processes(commands: dict[str, list[str]],
+                    startup_timeout: float = 180.0) -> Iterator[dict[str, ServerProcess]]:
+    """``serve_process`` for several servers, by name (each ``[model, *args]``), started together and
+    yielded once every one answers /health: a start-up is seconds of imports and loading on one core
+    (the server's, then its engine's), so side by side two take about the time of one on two cores."""
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(_started(*command)) for name, command in commands.items()}
+        for server in servers.values():
+            _wait_until_healthy(server, startup_timeout)
+        yield servers
+
+
+@contextlib.contextmanager
+def _started(model: str, *args: str) -> Iterator[ServerProcess]:
     port = free_port()
     command = [sys.executable, "-m", "micro_vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
                "--device", "cpu", "--disable-uvicorn-access-log", *args]
@@ -102,9 +114,7 @@ def serve_process(model: str, *args: str, startup_timeout: float = 180.0) -> Ite
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_until_healthy(url, process, log, startup_timeout)
-            yield ServerProcess(url, process, log)
+            yield ServerProcess(f"http://127.0.0.1:{port}", process, log)
         finally:
             process.terminate()
             try:
@@ -114,20 +124,18 @@ def serve_process(model: str, *args: str, startup_timeout: float = 180.0) -> Ite
                 process.wait()
 
 
-def _wait_until_healthy(url: str, process: subprocess.Popen, log, timeout: float) -> None:
+def _wait_until_healthy(server: ServerProcess, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read()[-5000:]}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.process.returncode}:\n{server.output()[-5000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    log.seek(0)
-    raise RuntimeError(f"the server did not answer /health within {timeout} s:\n{log.read()[-5000:]}")
+    raise RuntimeError(f"the server did not answer /health within {timeout} s:\n{server.output()[-5000:]}")
 
 
 def metric(text: str, name: str, **labels: str) -> float:
