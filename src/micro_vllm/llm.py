@@ -19,7 +19,7 @@ from micro_vllm.engine.request_output import RequestOutput
 from micro_vllm.metrics.loggers import PrometheusStatLogger
 from micro_vllm.metrics.reader import Metric, get_metrics_snapshot
 from micro_vllm.sampling.params import RequestOutputKind, SamplingParams
-from micro_vllm.utils import sigint_held_back
+from micro_vllm.utils import heap_frozen, sigint_held_back
 from micro_vllm.validation import reject, short_repr
 
 
@@ -121,7 +121,10 @@ class LLM:
                 self._generating_thread = threading.get_ident()
                 if engine.has_unfinished_requests() or engine.in_flight:
                     engine.abort_all_requests()  # left by a call whose rollback a second Ctrl-C kept from starting
-                return self._generate(engine, prompts, sampling_params, use_tqdm)
+                # The caller's heap and the engine's are out of the collector's scans while the steps
+                # run, and back in after: the server's engine process freezes its own for good.
+                with heap_frozen():
+                    return self._generate(engine, prompts, sampling_params, use_tqdm)
             except BaseException:
                 engine.abort_all_requests()  # this call's requests are all the engine holds
                 raise

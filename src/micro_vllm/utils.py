@@ -5,6 +5,7 @@ signals and processes: ``sigint_held_back``, for the few calls a Ctrl-C must not
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
 import signal
@@ -51,6 +52,20 @@ def sigint_held_back() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
     if received:
         signal.raise_signal(signal.SIGINT)  # to the program's own handler: a KeyboardInterrupt by default
+
+
+@contextmanager
+def heap_frozen() -> Iterator[None]:
+    """Run the block with the objects that exist at its start out of the garbage collector's scans,
+    then put them back. A full collection scans every tracked object, and an engine's process holds
+    many (the model's modules, the tokenizer, compiled kernels, CUDA graphs): a step it falls in
+    stalls for as long as that scan takes. The objects stay collectable: freed by reference counting
+    as ever, and by the collector once the block ends."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def exit_with_parent() -> None:

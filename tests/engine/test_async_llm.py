@@ -358,7 +358,7 @@ def core(model):
 def test_the_engine_process_freezes_its_start_up_heap(core):
     """The server's engine process moves what start-up made out of the collector's generations, so
     that full collections set off by the steps do not scan it again: the engine's scheduler and model
-    are no longer tracked (an offline LLM leaves its caller's heap alone: test_generate.py)."""
+    are no longer tracked (an offline LLM freezes it only while it generates: test_generate.py)."""
     runner = core.engine.executor.worker.model_runner
     assert gc.get_freeze_count() > 0
     tracked = {id(o) for o in gc.get_objects()}

@@ -228,15 +228,21 @@ def test_without_detokenize_only_token_ids(model_dirs):
     assert without.token_ids == with_text.token_ids and without.text == "" and with_text.text != ""
 
 
-def test_an_offline_engine_leaves_the_heap_unfrozen_and_a_dropped_one_is_freed(model_dirs):
-    """An offline LLM does not freeze its caller's heap (only the server's engine process does,
-    tests/engine/test_async_llm.py), and an engine that is shut down and dropped is freed by
+def test_an_offline_engine_freezes_the_heap_while_it_generates_and_a_dropped_one_is_freed(model_dirs):
+    """An offline LLM takes the heap out of the collector's scans while its steps run (full
+    collections would stall them) and puts it back when ``generate`` returns, so the caller's heap
+    is collectable between calls (the server's engine process freezes its own for good:
+    tests/engine/test_async_llm.py); and an engine that is shut down and dropped is freed by
     reference counting: a reference cycle through it would keep it, and its memory, until a full
     collection."""
     frozen = gc.get_freeze_count()
     llm = _llm(model_dirs["qwen3"], "sdpa")
+    step, frozen_in_steps = llm.engine.step, []
+    llm.engine.step = lambda: frozen_in_steps.append(gc.get_freeze_count()) or step()
     llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert frozen_in_steps and min(frozen_in_steps) > frozen
     assert gc.get_freeze_count() == frozen
+    del llm.engine.step
     runner = llm.engine.executor.worker.model_runner
     refs = [weakref.ref(o) for o in (llm.engine, llm.engine.scheduler, runner, runner.model)]
     llm.shutdown()

@@ -99,8 +99,9 @@ class EngineCoreProc:
         # What start-up made (the model's modules, the tokenizer, compiled kernels, CUDA graphs) lives as
         # long as this process: moved out of the collector's generations, it is not scanned again by the
         # full collections that the steps' own objects set off, each of which would stall a step for as
-        # long as the whole heap takes to scan (vLLM freezes its heap after warm-up too). Here only: the
-        # freeze is the whole process's, and an offline LLM leaves its caller's heap alone.
+        # long as the whole heap takes to scan (vLLM freezes its heap after warm-up too). For good here,
+        # where the process is the engine's; an offline LLM freezes its caller's heap only while it
+        # generates (``heap_frozen``).
         gc.collect()
         gc.freeze()
         # The commands from the pipe, ("compiled",) whenever a grammar has compiled, and ("failed", error)
