@@ -180,6 +180,32 @@ def test_a_threshold_draws_what_the_scaled_logits_masked_below_it_draw():
     assert expected[7].item() == logits[7].float().argmax().item()
 
 
+def test_fp32_logits_are_scaled_first_only_for_top_k():
+    """fp32 logits (an fp32 model's, or the logits processors') reach the kernels as they are, with
+    their temperature, unless a row has top-k, whose ties scaling could change: drawn either way,
+    seed for seed, as the scaled logits masked below the threshold are."""
+    torch.manual_seed(6)
+    logits = torch.randn(12, 300) * 2
+    temperature = torch.rand(12) + 0.4
+    seeds = torch.arange(12, dtype=torch.int64) * 7919 + 3
+    top_k, top_p = torch.full((12,), 40, dtype=torch.int32), torch.rand(12) * 0.8 + 0.1
+    scaled = logits * (1 / temperature).unsqueeze(-1)
+    cases = [  # metadata, the threshold on the scaled logits, whether the kernels get the logits as they are
+        (_kernel_metadata(temperature, seeds), torch.full((12, 1), float("-inf")), True),
+        (SamplingMetadata(temperature, None, top_p, all_greedy=False, all_random=True, seeds=seeds,
+                          top_p_without_top_k=True), sampler_module.sorted_top_p_threshold(scaled, top_p), True),
+        (_kernel_metadata(temperature, seeds, top_k=top_k, top_p=top_p),
+         sampler_module.top_k_top_p_threshold(scaled, top_k, top_p, 64), False),
+    ]
+    sampler = Sampler(use_triton=True)
+    given = []
+    sampler.triton_sample = lambda scores, *args: given.append(scores) or sample(scores, *args)
+    for metadata, threshold, as_they_are in cases:
+        expected = sample(scaled.masked_fill(scaled < threshold, float("-inf")), torch.ones(12), seeds)
+        assert sampler(logits, metadata).sampled_token_ids.tolist() == expected.tolist()
+        assert (given[-1] is logits) == as_they_are
+
+
 def test_filtered_rows_follow_the_truncated_softmax():
     """800 draws with top-k 4 over 12 tokens: never outside the top 4, and those follow their
     renormalised probabilities at temperature 0.7."""

@@ -17,7 +17,7 @@ the logits as they are and scaled after). A Sampler built with ``use_triton`` dr
 samples with the Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its
 softmax mass, then Gumbel-max inside it, with a Philox seed per row, so the same independence
 holds), which takes the threshold and skips the tokens below it; only min-p, which reads the scaled
-logits itself, and fp32 logits make a scaled copy here first.
+logits itself, and top-k over fp32 logits make a scaled copy here first.
 
 The runner's ``InputBatch`` makes a batch's ``SamplingMetadata`` from its rows' settings when its
 rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it bans and its bitmask.
@@ -298,9 +298,10 @@ class Sampler:
         # What the filters read and the draw takes: the logits as they are, which the top-k / top-p
         # filters and the Triton draw scale as they read them, or a scaled copy made here once, where
         # min-p reads the scaled logits itself, the PyTorch route draws (then drawn at temperature 1,
-        # which keeps them), or the logits are fp32 (an fp32 model's), which scaling can round into
-        # ties the top-k filter must count.
-        scaled = metadata.min_p is not None or metadata.seeds is None or logits.dtype == torch.float32
+        # which keeps them), or a row has top-k over fp32 logits (an fp32 model's, or processed ones),
+        # which scaling can round into ties the top-k filter must count.
+        scaled = (metadata.min_p is not None or metadata.seeds is None
+                  or (logits.dtype == torch.float32 and metadata.top_k is not None))
         scores, threshold = logits, None
         if scaled:
             scores = logits.float() * _inverse_temperature(temperature).unsqueeze(-1)

@@ -78,7 +78,10 @@ class TokenCounts:
         self.count(torch.full_like(tokens[num_prompt_tokens:], row), tokens[num_prompt_tokens:])
 
     def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.output.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
+        # index_add_ counts a repeated (row, token) with atomic adds in one kernel, where index_put_'s
+        # accumulate sorts the indices first.
+        flat = rows * self.output.shape[1] + token_ids
+        self.output.view(-1).index_add_(0, flat, torch.ones_like(token_ids, dtype=torch.int32))
 
     def move_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
         dst, src = to_device(dst, self.device), to_device(src, self.device)
