@@ -10,14 +10,15 @@ token falls back to the grammar's mask alone. Greedy rows take the argmax. Rando
 temperature, filtered by min-p and top-k / top-p, and drawn with the exponential race (argmax of
 p / E with E ~ Exp(1)), which needs no cumulative sums and lets each seeded row draw its noise from
 its own generator, so its tokens do not depend on the batch. Top-k / top-p come down to a threshold
-per row on the scaled logits: from the row's top candidates when it has a top-k, else over its
-whole row, which the PyTorch route sorts and the Triton route searches without a sort
-(``triton_top_p.py``, which scales the logits as it reads them; the candidates are selected from
-the logits as they are and scaled after). A Sampler built with ``use_triton`` draws every batch that
-samples with the Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its
-softmax mass, then Gumbel-max inside it, with a Philox seed per row, so the same independence
-holds), which takes the threshold and skips the tokens below it; only min-p, which reads the scaled
-logits itself, and fp32 logits make a scaled copy here first.
+per row on the scaled logits: from the row's top candidates when it has a top-k (selected from the
+logits as they are and scaled after; the Triton route finds top-p within them in one kernel,
+``triton_top_k_top_p.py``), else over its whole row, which the PyTorch route sorts and the Triton
+route searches without a sort (``triton_top_p.py``, which scales the logits as it reads them). A
+Sampler built with ``use_triton`` draws every batch that samples with the Triton sampler instead
+(``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it,
+with a Philox seed per row, so the same independence holds), which takes the threshold and skips
+the tokens below it; only min-p, which reads the scaled logits itself, and fp32 logits make a
+scaled copy here first.
 
 The runner's ``InputBatch`` makes a batch's ``SamplingMetadata`` from its rows' settings when its
 rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it bans and its bitmask.
@@ -191,7 +192,8 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_
     keeps apart any two distinct bf16 or fp16 logits (their 8 or 11 significant bits are far coarser
     than the fp32 product's 24), so the tie at the k-th is counted on the logits as they are; fp32
     logits must come scaled, as the Sampler gives them. With top-p, the threshold from the candidates
-    is ``top_k_top_p``'s: ``top_k_top_p_of_candidates`` (the default). A row with top-p and no top-k (there must be one when
+    is ``top_k_top_p``'s: ``top_k_top_p_of_candidates`` (the default) or the Triton kernel
+    (``triton_top_k_top_p``). A row with top-p and no top-k (there must be one when
     ``whole_row_top_p`` is given, and only then) gets its threshold over its whole row from
     ``whole_row_top_p``: ``sorted_top_p_threshold`` or the Triton search (``triton_top_p``).
     ``top_k`` 0 and ``top_p`` 1 turn a row's filter off."""
@@ -261,10 +263,11 @@ class Sampler:
         self.top_k_top_p: TopKTopP = top_k_top_p_of_candidates
         self.penalize: PenaltiesApplier = apply_penalties
         if use_triton:
-            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p
+            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_k_top_p, triton_top_p
 
             self.triton_sample = triton_sampler.sample
             self.whole_row_top_p = triton_top_p.top_p_threshold
+            self.top_k_top_p = triton_top_k_top_p.top_k_top_p_threshold
             self.penalize = triton_penalties.apply_penalties
             self.seed_stream = np.random.default_rng(seed)
             self.seed_pool = np.empty(0, np.int64)  # the stream's next seeds, drawn ahead
