@@ -44,10 +44,11 @@ CASES = {
 
 def sorted_top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                                  max_top_k: int | None = None, whole_row_top_p=None,
-                                 inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+                                 inverse_temperature: torch.Tensor | None = None, top_k_top_p=None) -> torch.Tensor:
     """The top-k / top-p the Sampler had before, as a threshold: sort each whole row (scaled first,
     where the Sampler gives an ``inverse_temperature``), mask by rank and cumulative mass; the
-    smallest logit kept."""
+    smallest logit kept. It takes ``top_k_top_p_threshold``'s arguments and uses neither route's
+    search (``whole_row_top_p``, ``top_k_top_p``)."""
     if inverse_temperature is not None:
         logits = logits.float() * inverse_temperature.unsqueeze(-1)
     sorted_logits = logits.sort(dim=-1, descending=True).values

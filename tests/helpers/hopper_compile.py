@@ -32,7 +32,7 @@ from micro_vllm.attention.backends import triton_attn  # noqa: E402
 from micro_vllm.attention.backends.abstract import CommonAttentionMetadata  # noqa: E402
 from micro_vllm.attention.spec import AttentionSpec  # noqa: E402
 from micro_vllm.layers import triton_ops  # noqa: E402
-from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p  # noqa: E402
+from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_k_top_p, triton_top_p  # noqa: E402
 from micro_vllm.sampling.logits_processors import Penalties  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -174,6 +174,13 @@ def main() -> int:
     # Top-p alone on the model's logits with their inverse temperatures; beside top-k, on the scaled ones.
     triton_top_p.top_p_threshold(torch.zeros(4, 151936, dtype=torch.bfloat16), torch.full((4,), 0.9), torch.ones(4))
     triton_top_p.top_p_threshold(torch.zeros(4, 151936), torch.full((4,), 0.9))
+    # Top-k with top-p, from 64 candidates: on the model's logits with their inverse temperatures, and
+    # on fp32 ones the Sampler scaled.
+    top_k, top_p = torch.full((4,), 50, dtype=torch.int32), torch.full((4,), 0.9)
+    for dtype, inverse_temperature in ((torch.bfloat16, torch.ones(4)), (torch.float32, None)):
+        logits = torch.zeros(4, 151936, dtype=dtype)
+        candidates = torch.zeros(4, 64, dtype=dtype)
+        triton_top_k_top_p.top_k_top_p_threshold(candidates, logits, top_k, top_p, inverse_temperature)
     rows, vocab = torch.arange(2), 151936
     triton_penalties.apply_penalties(torch.zeros(4, vocab), Penalties(
         rows, torch.zeros(2), torch.zeros(2), torch.ones(2), torch.zeros(8, vocab, dtype=torch.int32),

@@ -20,7 +20,8 @@ def patch_triton_interpreter() -> None:
     * It keeps a scalar as a 1-element array and converts it with ``int(array)``, which NumPy 2.4
       turned into a TypeError (triton-lang/triton#9171): any loop whose trip count comes from device
       data fails. ``.item()`` accepts any 1-element array.
-    * ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns it stores bf16 in; widen them to fp32.
+    * ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns it stores bf16 in, and comparisons of
+      bf16 compare them (every negative value above every positive one); widen them to fp32.
     * It casts fp32 to bf16 by truncating the mantissa; the GPU rounds to nearest even, as PyTorch.
     * Its casts to float8 e4m3 lose the carry when rounding up crosses a power of two (0.49 becomes
       0.25) and flush subnormals; PyTorch's conversion is the GPU's, both ways.
@@ -39,6 +40,8 @@ def patch_triton_interpreter() -> None:
     """
     _patch_once(interpreter, "_patch_lang_tensor", _index_by_item)
     _patch_once(interpreter.InterpreterBuilder, "create_dot", _widen_bf16_operands)
+    for comparison in _FLOAT_COMPARISONS:
+        _patch_once(interpreter.InterpreterBuilder, comparison, _widen_bf16_operands)
     _patch_once(interpreter.InterpreterBuilder, "cast_impl", _round_fp32_to_bf16)
     _patch_once(interpreter.InterpreterBuilder, "create_fp_to_fp", _convert_fp8_as_torch)
     _patch_once(libdevice, "exp", lambda original: lambda x: tl.exp(x))
@@ -63,7 +66,11 @@ def _index_by_item(patch_lang_tensor):
     return patch
 
 
-def _widen_bf16_operands(create_dot):
+_FLOAT_COMPARISONS = [f"create_fcmp{order}{relation}" for order in "OU"
+                      for relation in ("LT", "GT", "LE", "GE", "EQ", "NE")]
+
+
+def _widen_bf16_operands(create_op):
     def widen(handle):
         if handle.dtype.scalar == tl.bfloat16:
             bits = handle.data.astype(np.uint32) << 16
@@ -71,7 +78,7 @@ def _widen_bf16_operands(create_dot):
         return handle
 
     def patch(self, a, b, *args):
-        return create_dot(self, widen(a), widen(b), *args)
+        return create_op(self, widen(a), widen(b), *args)
 
     return patch
 

@@ -10,14 +10,15 @@ token falls back to the grammar's mask alone. Greedy rows take the argmax. Rando
 temperature, filtered by min-p and top-k / top-p, and drawn with the exponential race (argmax of
 p / E with E ~ Exp(1)), which needs no cumulative sums and lets each seeded row draw its noise from
 its own generator, so its tokens do not depend on the batch. Top-k / top-p come down to a threshold
-per row on the scaled logits: from the row's top candidates when it has a top-k, else over its
-whole row, which the PyTorch route sorts and the Triton route searches without a sort
-(``triton_top_p.py``, which scales the logits as it reads them; the candidates are selected from
-the logits as they are and scaled after). A Sampler built with ``use_triton`` draws every batch that
-samples with the Triton sampler instead (``triton_sampler.py``: a chunk of the vocabulary by its
-softmax mass, then Gumbel-max inside it, with a Philox seed per row, so the same independence
-holds), which takes the threshold and skips the tokens below it; only min-p, which reads the scaled
-logits itself, and top-k over fp32 logits make a scaled copy here first.
+per row on the scaled logits: from the row's top candidates when it has a top-k (selected from the
+logits as they are and scaled after; the Triton route finds top-p within them in one kernel,
+``triton_top_k_top_p.py``), else over its whole row, which the PyTorch route sorts and the Triton
+route searches without a sort (``triton_top_p.py``, which scales the logits as it reads them). A
+Sampler built with ``use_triton`` draws every batch that samples with the Triton sampler instead
+(``triton_sampler.py``: a chunk of the vocabulary by its softmax mass, then Gumbel-max inside it,
+with a Philox seed per row, so the same independence holds), which takes the threshold and skips
+the tokens below it; only min-p, which reads the scaled logits itself, and top-k over fp32 logits
+make a scaled copy here first.
 
 The runner's ``InputBatch`` makes a batch's ``SamplingMetadata`` from its rows' settings when its
 rows change; each step adds its seeds (``Sampler.add_row_seeds``), the tokens it bans and its bitmask.
@@ -43,6 +44,10 @@ SEED_POOL_SIZE = 4096  # the engine stream's seeds drawn at once for the Triton 
 # Each row's top-p threshold over its whole row, [n, 1], from logits [n, vocab] and top_p [n], for
 # the logits times the row's inverse temperature [n] when one is given.
 WholeRowTopP = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# The threshold of each row with top-k and top-p within it, [n, 1] (-inf for rows without top-k),
+# from its best candidates [n, c] (``torch.topk``'s values, descending) of the logits [n, vocab], its
+# top_k [n], top_p [n] and inverse temperature [n] (None: the logits come scaled).
+TopKTopP = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -143,9 +148,36 @@ def max_top_k(top_k: np.ndarray) -> int | None:
     return 1 << (int(top_k.max()) - 1).bit_length()
 
 
+def top_k_top_p_of_candidates(candidates: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor,
+                              top_p: torch.Tensor, inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """The threshold, float32 [n, 1], of each row with a top-k (-inf for the others) and top-p
+    within it, from its best ``candidates`` [n, c] of ``logits`` [n, vocab], descending, as
+    ``top_k_top_p_threshold`` selects them: the larger of its top-k threshold and its top-p one,
+    with the tie at the k-th counted over the vocabulary."""
+    k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
+    num_tied = (logits == candidates.gather(-1, k - 1)).sum(dim=-1, keepdim=True)
+    threshold = _top_k_threshold(candidates, top_k, inverse_temperature)
+    if inverse_temperature is not None:
+        candidates = candidates.float() * inverse_temperature.unsqueeze(-1)
+    top_p_of_rows = torch.where(top_k > 0, top_p, 1.0)
+    return torch.maximum(threshold, _top_p_threshold(candidates, threshold, num_tied, top_p_of_rows))
+
+
+def _top_k_threshold(candidates: torch.Tensor, top_k: torch.Tensor,
+                     inverse_temperature: torch.Tensor | None) -> torch.Tensor:
+    """Each row's k-th candidate, float32 [n, 1], times its inverse temperature; -inf for a row
+    without top-k."""
+    k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
+    kth = candidates.gather(-1, k - 1).float()
+    if inverse_temperature is not None:
+        kth = kth * inverse_temperature.unsqueeze(-1)
+    return torch.where(top_k.unsqueeze(-1) > 0, kth, float("-inf"))
+
+
 def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                           max_top_k: int | None, whole_row_top_p: WholeRowTopP | None = None,
-                          inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+                          inverse_temperature: torch.Tensor | None = None,
+                          top_k_top_p: TopKTopP = top_k_top_p_of_candidates) -> torch.Tensor:
     """Each row's threshold, float32 [n, 1], on ``logits`` times ``inverse_temperature`` [n] (or on
     ``logits`` as they are): its top-k and then its top-p nucleus are the tokens at least as large
     (-inf: every token).
@@ -159,23 +191,19 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_
     positive ``1 / T`` keeps their order, and rounds the k-th to the k-th of the scaled logits. It also
     keeps apart any two distinct bf16 or fp16 logits (their 8 or 11 significant bits are far coarser
     than the fp32 product's 24), so the tie at the k-th is counted on the logits as they are; fp32
-    logits must come scaled, as the Sampler gives them. A row with top-p and no top-k (there must be one when
+    logits must come scaled, as the Sampler gives them. With top-p, the threshold from the candidates
+    is ``top_k_top_p``'s: ``top_k_top_p_of_candidates`` (the default) or the Triton kernel
+    (``triton_top_k_top_p``). A row with top-p and no top-k (there must be one when
     ``whole_row_top_p`` is given, and only then) gets its threshold over its whole row from
     ``whole_row_top_p``: ``sorted_top_p_threshold`` or the Triton search (``triton_top_p``).
     ``top_k`` 0 and ``top_p`` 1 turn a row's filter off."""
     threshold = torch.full_like(logits[:, :1], float("-inf"), dtype=torch.float32)
     if top_k is not None:
         candidates = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1).values
-        k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
-        kth = candidates.gather(-1, k - 1)
-        if inverse_temperature is not None:
-            candidates = candidates.float() * inverse_temperature.unsqueeze(-1)
-        with_top_k = top_k.unsqueeze(-1) > 0
-        threshold = torch.where(with_top_k, candidates.gather(-1, k - 1), threshold)
-        if top_p is not None:
-            top_p_of_rows = torch.where(top_k > 0, top_p, 1.0)
-            num_tied = (logits == kth).sum(dim=-1, keepdim=True)
-            threshold = torch.maximum(threshold, _top_p_threshold(candidates, threshold, num_tied, top_p_of_rows))
+        if top_p is None:
+            threshold = _top_k_threshold(candidates, top_k, inverse_temperature)
+        else:
+            threshold = top_k_top_p(candidates, logits, top_k, top_p, inverse_temperature)
     if whole_row_top_p is not None:
         top_p_alone = top_p if top_k is None else torch.where(top_k > 0, 1.0, top_p)
         threshold = torch.maximum(threshold, whole_row_top_p(logits, top_p_alone, inverse_temperature))
@@ -232,12 +260,14 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.argmax = cpu_argmax if device.type == "cpu" else _device_argmax
         self.whole_row_top_p: WholeRowTopP = sorted_top_p_threshold
+        self.top_k_top_p: TopKTopP = top_k_top_p_of_candidates
         self.penalize: PenaltiesApplier = apply_penalties
         if use_triton:
-            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_p
+            from micro_vllm.sampling import triton_penalties, triton_sampler, triton_top_k_top_p, triton_top_p
 
             self.triton_sample = triton_sampler.sample
             self.whole_row_top_p = triton_top_p.top_p_threshold
+            self.top_k_top_p = triton_top_k_top_p.top_k_top_p_threshold
             self.penalize = triton_penalties.apply_penalties
             self.seed_stream = np.random.default_rng(seed)
             self.seed_pool = np.empty(0, np.int64)  # the stream's next seeds, drawn ahead
@@ -310,7 +340,8 @@ class Sampler:
         if metadata.top_k is not None or metadata.top_p is not None:
             whole_row_top_p = self.whole_row_top_p if metadata.top_p_without_top_k else None
             threshold = top_k_top_p_threshold(scores, metadata.top_k, metadata.top_p, metadata.max_top_k,
-                                              whole_row_top_p, None if scaled else _inverse_temperature(temperature))
+                                              whole_row_top_p, None if scaled else _inverse_temperature(temperature),
+                                              self.top_k_top_p)
         if metadata.seeds is not None:
             # A greedy row's argmax survives any filter.
             draw_temperature = (temperature > 0).float() if scaled else temperature

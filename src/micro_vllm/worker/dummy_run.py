@@ -112,7 +112,7 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     # sampler's largest buffer), alone and beside min-p (a scaled copy, which the Triton route's
     # kernels read in fp32), with top-p alone (the PyTorch route's sort, the Triton route's search)
     # and without a filter, so the variants of the sampler's kernels (model-dtype and fp32 logits,
-    # the top-p search) compile here.
+    # the top-p search, top-p within the top-k candidates) compile here.
     sampler = own_sampler(runner, max_num_reqs=len(query_lens))
     vocab_size = logits.shape[-1]
     dummy_sample(sampler, logits, top_k=vocab_size, top_p=0.9, max_top_k=vocab_size)
