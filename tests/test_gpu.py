@@ -329,7 +329,8 @@ def test_serving_loads_no_kernel_after_start_up(tmp_path):
     path = build_random_model(tmp_path / "qwen3-0.6b-2-layers", num_hidden_layers=2)
     max_num_seqs = 48
     prompts = _prompts([10 + 4 * i for i in range(max_num_seqs)], seed=9)  # prompt + output within MAX_MODEL_LEN
-    routes = [dict(top_k=20, top_p=0.9), dict(top_p=0.9), dict(top_k=20), {}, dict(temperature=0)]
+    routes = [dict(top_k=20, top_p=0.9), dict(top_p=0.9), dict(top_k=20), {}, dict(temperature=0), dict(min_p=0.05),
+              dict(top_k=20, min_p=0.05)]
     mixed = [SamplingParams(**{"temperature": 0.8, **routes[i % len(routes)]}, max_tokens=1 + i, ignore_eos=True)
              for i in range(max_num_seqs)]  # one request finishes each step
     batches = [mixed] + [[SamplingParams(**{"temperature": 0.8, **route}, max_tokens=4, ignore_eos=True)] * size

@@ -57,10 +57,11 @@ def load_eager_kernels(runner: ModelRunner) -> None:
 
     * the lm_head, at every row count a step can sample (1 to ``max_num_seqs``): cuBLAS picks its
       matmul kernel by the row count;
-    * each sampling route: all greedy, top-p alone (over whole rows), top-k / top-p over each
-      number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ with it), the
-      penalties (which also compiles the Triton route's pass), each on one row and on two, as a
-      library may pick its kernel by the row count (cuBLAS does);
+    * each sampling route: all greedy, top-p alone (over whole rows), top-k alone and top-k with
+      top-p over each number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ
+      with it), from the logits as they are and from the scaled fp32 copy that min-p (and top-k
+      beside the penalties) makes, the penalties (which also compiles the Triton route's pass), each
+      on one row and on two, as a library may pick its kernel by the row count (cuBLAS does);
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
       int64 ``index_select`` and ``index_copy_``, ``ModelRunner._input_ids``).
     """
@@ -77,7 +78,9 @@ def load_eager_kernels(runner: ModelRunner) -> None:
         dummy_sample(sampler, rows_logits, top_p=0.9)
         dummy_sample(sampler, rows_logits, penalties=True)
         for count in candidate_counts:
-            sampled = dummy_sample(sampler, rows_logits, top_k=count, top_p=0.9, max_top_k=count)
+            for min_p in (None, 0.1):  # the candidates of the logits as they are, and of a scaled fp32 copy
+                dummy_sample(sampler, rows_logits, top_k=count, max_top_k=count, min_p=min_p)
+                sampled = dummy_sample(sampler, rows_logits, top_k=count, top_p=0.9, max_top_k=count, min_p=min_p)
     input_ids = torch.zeros(len(sampled), dtype=torch.int64, device=settings.device)
     rows = torch.arange(len(sampled), device=settings.device)
     input_ids.index_copy_(0, rows, sampled.index_select(0, rows))
