@@ -113,14 +113,15 @@ def dummy_step(runner: ModelRunner, query_lens: np.ndarray) -> None:
     logits = runner.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
     # Sampling with a top-k of the whole vocabulary (``topk`` of whole rows, as large as a sort: the
     # sampler's largest buffer), alone and beside min-p (a scaled copy, which the Triton route's
-    # kernels read in fp32), with top-p alone (the PyTorch route's sort, the Triton route's search)
-    # and without a filter, so the variants of the sampler's kernels (model-dtype and fp32 logits,
-    # the top-p search, top-p within the top-k candidates) compile here.
+    # kernels read in fp32), with top-p alone (the PyTorch route's sort, the Triton route's search),
+    # also over that scaled copy, and without a filter, so the variants of the sampler's kernels
+    # (model-dtype and fp32 logits, the top-p search, top-p within the top-k candidates) compile here.
     sampler = own_sampler(runner, max_num_reqs=len(query_lens))
     vocab_size = logits.shape[-1]
     dummy_sample(sampler, logits, top_k=vocab_size, top_p=0.9, max_top_k=vocab_size)
     dummy_sample(sampler, logits, top_k=vocab_size, top_p=0.9, max_top_k=vocab_size, min_p=0.1)
     dummy_sample(sampler, logits, top_p=0.9)
+    dummy_sample(sampler, logits, top_p=0.9, min_p=0.1)
     dummy_sample(sampler, logits)
 
 
