@@ -242,7 +242,7 @@ def test_an_offline_engine_freezes_the_heap_while_it_generates_and_a_dropped_one
     llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert frozen_in_steps and min(frozen_in_steps) > frozen
     assert gc.get_freeze_count() == frozen
-    del llm.engine.step
+    del llm.engine.step, step  # the bound method holds the engine
     runner = llm.engine.executor.worker.model_runner
     refs = [weakref.ref(o) for o in (llm.engine, llm.engine.scheduler, runner, runner.model)]
     llm.shutdown()
