@@ -154,21 +154,25 @@ def top_k_top_p_of_candidates(candidates: torch.Tensor, logits: torch.Tensor, to
     within it, from its best ``candidates`` [n, c] of ``logits`` [n, vocab], descending, as
     ``top_k_top_p_threshold`` selects them: the larger of its top-k threshold and its top-p one,
     with the tie at the k-th counted over the vocabulary."""
-    k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
-    num_tied = (logits == candidates.gather(-1, k - 1)).sum(dim=-1, keepdim=True)
-    threshold = _top_k_threshold(candidates, top_k, inverse_temperature)
+    kth = _kth_candidate(candidates, top_k)
+    num_tied = (logits == kth).sum(dim=-1, keepdim=True)
+    threshold = _top_k_threshold(kth, top_k, inverse_temperature)
     if inverse_temperature is not None:
         candidates = candidates.float() * inverse_temperature.unsqueeze(-1)
     top_p_of_rows = torch.where(top_k > 0, top_p, 1.0)
     return torch.maximum(threshold, _top_p_threshold(candidates, threshold, num_tied, top_p_of_rows))
 
 
-def _top_k_threshold(candidates: torch.Tensor, top_k: torch.Tensor,
-                     inverse_temperature: torch.Tensor | None) -> torch.Tensor:
-    """Each row's k-th candidate, float32 [n, 1], times its inverse temperature; -inf for a row
-    without top-k."""
+def _kth_candidate(candidates: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Each row's k-th best candidate [n, 1], as the candidates are (k clamped to their number)."""
     k = top_k.long().clamp(1, candidates.shape[-1]).unsqueeze(-1)
-    kth = candidates.gather(-1, k - 1).float()
+    return candidates.gather(-1, k - 1)
+
+
+def _top_k_threshold(kth: torch.Tensor, top_k: torch.Tensor, inverse_temperature: torch.Tensor | None) -> torch.Tensor:
+    """Each row's top-k threshold, float32 [n, 1]: its k-th candidate ``kth`` times its inverse
+    temperature; -inf for a row without top-k."""
+    kth = kth.float()
     if inverse_temperature is not None:
         kth = kth * inverse_temperature.unsqueeze(-1)
     return torch.where(top_k.unsqueeze(-1) > 0, kth, float("-inf"))
@@ -201,7 +205,7 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_
     if top_k is not None:
         candidates = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1).values
         if top_p is None:
-            threshold = _top_k_threshold(candidates, top_k, inverse_temperature)
+            threshold = _top_k_threshold(_kth_candidate(candidates, top_k), top_k, inverse_temperature)
         else:
             threshold = top_k_top_p(candidates, logits, top_k, top_p, inverse_temperature)
     if whole_row_top_p is not None:
