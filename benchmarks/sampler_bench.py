@@ -84,8 +84,7 @@ def penalties_metadata(rows: int, vocab: int, device: torch.device) -> LogitsPro
     def full(value: float) -> torch.Tensor:
         return torch.full((rows,), value, device=device)
 
-    return LogitsProcessorsMetadata(penalties=Penalties(torch.arange(rows, device=device), full(0.2), full(0.2),
-                                                        full(1.1), counts, prompt_mask))
+    return LogitsProcessorsMetadata(penalties=Penalties(full(0.2), full(0.2), full(1.1), counts, prompt_mask))
 
 
 def make_metadata(sampler: Sampler, rows: int, vocab: int, device: torch.device, top_k: int = 0,

@@ -181,10 +181,12 @@ def main() -> int:
         logits = torch.zeros(4, 151936, dtype=dtype)
         candidates = torch.zeros(4, 64, dtype=dtype)
         triton_top_k_top_p.top_k_top_p_threshold(candidates, logits, top_k, top_p, inverse_temperature)
-    rows, vocab = torch.arange(2), 151936
-    triton_penalties.apply_penalties(torch.zeros(4, vocab), Penalties(
-        rows, torch.zeros(2), torch.zeros(2), torch.ones(2), torch.zeros(8, vocab, dtype=torch.int32),
-        torch.zeros(8, vocab, dtype=torch.bool)))
+    # The penalties, from the model's logits and from fp32 ones the other processors made.
+    vocab = 151936
+    penalties = Penalties(torch.zeros(4), torch.zeros(4), torch.ones(4), torch.zeros(8, vocab, dtype=torch.int32),
+                          torch.zeros(8, vocab, dtype=torch.bool))
+    for dtype in (torch.bfloat16, torch.float32):
+        triton_penalties.apply_penalties(torch.zeros(4, vocab, dtype=dtype), penalties)
     print(f"{len(compiled)} kernel variants compiled for sm_90")
     return 0
 

@@ -77,7 +77,7 @@ def test_rows_follow_the_step_with_their_tokens_blocks_and_settings():
     assert metadata.temperature.tolist() == [0.5, 0.0, 1.0] and metadata.top_k.tolist() == [3, 0, 0]
     assert metadata.top_p.tolist() == [1.0, 1.0, 0.75] and not metadata.all_greedy and not metadata.all_random
     assert metadata.max_top_k == 4 and metadata.top_p_without_top_k  # "c" has top-p alone
-    assert metadata.logits_processors.penalties.rows.tolist() == [2]
+    assert metadata.logits_processors.penalties.presence.tolist() == [0.0, 0.0, 0.5]  # only "c" has one
     step(["a", "b", "c"], [(9,), (), (8, 7)])  # the same rows: the metadata is the last step's
     assert batch.sampling_metadata is metadata
     assert [batch.token_ids[row, : batch.num_tokens[row]].tolist() for row in range(3)] == [[1, 2, 9], [3, 4, 5],
@@ -89,8 +89,44 @@ def test_rows_follow_the_step_with_their_tokens_blocks_and_settings():
     assert rows() == {"c": ([6, 8, 7], 7, 1.0, 11, True), "b": before["b"]}
     assert batch.sampling_metadata.temperature.tolist() == [1.0]
     assert batch.sampling_metadata.max_top_k is None and batch.sampling_metadata.top_p_without_top_k
-    assert batch.sampling_metadata.logits_processors.penalties.rows.tolist() == [0]
+    assert batch.sampling_metadata.logits_processors.penalties.presence.tolist() == [0.5]
     step(["c", "b"], [(), (4,)])
     assert batch.req_ids == ["c", "b"] and rows()["b"][0] == [3, 4, 5, 4]
     assert batch.sampling_metadata.temperature.tolist() == [1.0, 0.0]
     assert batch.row_seeds(np.array([5, 4], np.int32)) == {0: hash((11, 4)) & (2**63 - 1)}  # the output position
+
+
+def test_token_counts_follow_the_rows_of_requests_with_penalties():
+    """The device counts of each row with penalties equal its tokens': the rows added in a step are
+    rebuilt together, also when rows move before the metadata is made, and sampled tokens add up."""
+    batch = InputBatch(4, 16, [4], 32, torch.device("cpu"))
+
+    def resumed(req_id: str, prompt: list[int], output: list[int], **params) -> NewRequestData:
+        return NewRequestData(req_id, (*prompt, *output), len(prompt), SamplingParams(**params), ((1,),), 0)
+
+    def assert_counts_match() -> None:
+        counts = batch.token_counts
+        for row in np.flatnonzero(batch.uses_penalties[: len(batch)]).tolist():
+            tokens, num_prompt = batch.token_ids[row, : batch.num_tokens[row]], batch.num_prompt_tokens[row]
+            expected_output = np.bincount(tokens[num_prompt:], minlength=32)
+            assert counts.output[row].tolist() == expected_output.tolist(), batch.req_ids[row]
+            assert counts.prompt_mask[row].tolist() == [t in set(tokens[:num_prompt]) for t in range(32)]
+
+    batch.add_request(resumed("a", [1, 2, 2], [7], presence_penalty=1.0))
+    batch.add_request(resumed("b", [3], [], temperature=0.5))
+    batch.add_request(resumed("c", [4, 5], [6, 6, 9], repetition_penalty=1.2))
+    batch.remove_requests(["a"])  # "c" moves up before any metadata was made
+    batch.add_request(resumed("d", [9, 9], [], frequency_penalty=0.5))
+    batch.arrange(["b", "c", "d"])
+    batch.refresh_sampling_metadata()
+    assert batch.req_ids == ["b", "c", "d"]
+    assert_counts_match()
+    batch.update_cached(cached(["b", "c", "d"], [(8,), (6,), (2,)]))  # each row samples a token
+    batch.count_sampled_tokens(torch.tensor([8, 6, 2]), np.ones(3, bool))
+    batch.add_request(resumed("e", [2], [3, 3], presence_penalty=0.3))  # into the row "a" left
+    batch.arrange(["e", "d", "c", "b"])
+    batch.refresh_sampling_metadata()
+    assert_counts_match()
+    penalties = batch.sampling_metadata.logits_processors.penalties
+    assert penalties.presence.tolist() == [np.float32(0.3), 0, 0, 0]  # every row's, 0 where it has none
+    assert penalties.repetition.tolist() == [1, 1, np.float32(1.2), 1]

@@ -34,12 +34,12 @@ class TokenBiases:
 
 @dataclass(frozen=True)
 class Penalties:
-    """The penalties of the rows ``rows``, and where the runner counts every row's tokens on the device."""
+    """Every row's penalties (0, 0 and 1 for a row without them), and where the runner counts every
+    row's tokens on the device."""
 
-    rows: torch.Tensor  # int64 [m], rows of the batch and of its logits
-    presence: torch.Tensor  # float32 [m]
-    frequency: torch.Tensor  # float32 [m]
-    repetition: torch.Tensor  # float32 [m]
+    presence: torch.Tensor  # float32 [n], one per row of the batch and of its logits
+    frequency: torch.Tensor  # float32 [n]
+    repetition: torch.Tensor  # float32 [n]
     output_token_counts: torch.Tensor  # int32 [rows, vocab]: how often each token occurs in a row's output
     prompt_token_mask: torch.Tensor  # bool [rows, vocab]: whether it occurs in the row's prompt
 
@@ -56,41 +56,43 @@ class LogitsProcessorsMetadata:
     penalties: Penalties | None = None
 
 
-# Penalizes in place the rows of float32 logits [n, vocab] that the Penalties name.
-PenaltiesApplier = Callable[[torch.Tensor, Penalties], None]
+# The logits [n, vocab] penalized, as a new float32 tensor.
+PenaltiesApplier = Callable[[torch.Tensor, Penalties], torch.Tensor]
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMetadata,
                             penalize: PenaltiesApplier) -> torch.Tensor:
     """The processed logits in float32 (a new tensor; ``logits`` is left as it was). ``penalize``
     applies the penalties: ``apply_penalties``, or the Triton pass of ``triton_penalties`` on the
-    Sampler's Triton route."""
-    logits = logits.to(torch.float32, copy=True)
+    Sampler's Triton route; either makes the float32 copy itself, so a batch with only penalties
+    reads its logits once."""
+    processed = logits
+    if metadata.allowed_rows is not None or metadata.logit_bias is not None or metadata.bans is not None:
+        processed = logits.to(torch.float32, copy=True)
     if metadata.allowed_rows is not None:
-        banned = torch.zeros_like(logits, dtype=torch.bool)
+        banned = torch.zeros_like(processed, dtype=torch.bool)
         banned[metadata.allowed_rows] = True
         banned[metadata.allowed_token_ids] = False
-        logits.masked_fill_(banned, float("-inf"))
+        processed.masked_fill_(banned, float("-inf"))
     for biases in (metadata.logit_bias, metadata.bans):
         if biases is not None:
-            logits.index_put_((biases.rows, biases.token_ids), biases.values, accumulate=True)
+            processed.index_put_((biases.rows, biases.token_ids), biases.values, accumulate=True)
     if metadata.penalties is not None:
-        penalize(logits, metadata.penalties)
-    return logits
+        return penalize(processed, metadata.penalties)
+    return processed if processed is not logits else logits.to(torch.float32, copy=True)
 
 
-def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
-    """Repetition, then frequency and presence penalties (vLLM's, after OpenAI's definition), in
-    place on the rows ``penalties.rows`` of ``logits``."""
-    rows = penalties.rows
-    penalized = logits[rows]
-    counts = penalties.output_token_counts[rows]
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties (vLLM's, after OpenAI's definition), on
+    every row of ``logits``, as a new float32 tensor; a row with 0, 0 and 1 keeps its values."""
+    logits = logits.float()
+    counts = penalties.output_token_counts[: len(logits)]
     in_output = counts > 0
     repetition = penalties.repetition.unsqueeze(-1)
-    repeated = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
-    penalized = torch.where(in_output | penalties.prompt_token_mask[rows], repeated, penalized)
+    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
+    penalized = torch.where(in_output | penalties.prompt_token_mask[: len(logits)], repeated, logits)
     penalized = penalized - penalties.frequency.unsqueeze(-1) * counts
-    logits[rows] = penalized - penalties.presence.unsqueeze(-1) * in_output
+    return penalized - penalties.presence.unsqueeze(-1) * in_output
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """The repetition, frequency and presence penalties on CUDA in one Triton pass over the logits.
 
-``logits_processors.apply_penalties`` defines them in PyTorch: a dozen operations over every
-penalized row's whole vocabulary (gathers of the rows, of their counts and prompt masks, then
-each term, then a scatter back). Here one program per (penalized row, block of tokens) reads the
-row's logits, output-token counts and prompt mask once and writes the penalized logits in place,
-with the same operations in the same order: a correctly rounded division, and no fused
-multiply-add (the launch turns fp fusion off), so the results equal PyTorch's bit for bit.
+``logits_processors.apply_penalties`` defines them in PyTorch: a dozen operations over the batch's
+whole vocabulary (the fp32 copy, each term, the counts and prompt masks read in full). Here one program
+per (row, block of tokens) reads the row's logits in their own dtype and writes the penalized ones in
+float32 to a new tensor: the copy the processors need anyway. A row without penalties (0, 0, 1) is
+only copied; the others read their output-token counts and prompt mask once, with the definition's
+operations in its order: a correctly rounded division, and no fused multiply-add (the launch turns fp
+fusion off), so the results equal PyTorch's bit for bit.
 """
 
 from __future__ import annotations
@@ -20,34 +21,36 @@ _BLOCK = 1024  # tokens per program: 8 per thread of 4 warps
 
 
 @triton.jit
-def _penalties_kernel(logits_ptr, logits_stride, rows_ptr, counts_ptr, counts_stride, prompt_mask_ptr,
+def _penalties_kernel(logits_ptr, logits_stride, out_ptr, out_stride, counts_ptr, counts_stride, prompt_mask_ptr,
                       prompt_mask_stride, repetition_ptr, frequency_ptr, presence_ptr, vocab_size,
                       BLOCK: tl.constexpr):
-    index = tl.program_id(0)
-    row = tl.load(rows_ptr + index)  # of the batch, of its logits and of the token counts alike
+    row = tl.program_id(0)  # of the batch, of its logits and of the token counts alike
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < vocab_size
-    logits_row = logits_ptr + row * logits_stride
-    x = tl.load(logits_row + cols, mask=in_row)
-    count = tl.load(counts_ptr + row * counts_stride + cols, mask=in_row, other=0)
-    in_prompt = tl.load(prompt_mask_ptr + row * prompt_mask_stride + cols, mask=in_row, other=0) != 0
-    repetition = tl.load(repetition_ptr + index)
-    in_output = count > 0
-    repeated = tl.where(x > 0, tl.div_rn(x, repetition), x * repetition)
-    x = tl.where(in_output | in_prompt, repeated, x)
-    x = x - tl.load(frequency_ptr + index) * count.to(tl.float32)
-    x = x - tl.load(presence_ptr + index) * in_output.to(tl.float32)
-    tl.store(logits_row + cols, x, mask=in_row)
+    x = tl.load(logits_ptr + row * logits_stride + cols, mask=in_row).to(tl.float32)
+    repetition = tl.load(repetition_ptr + row)
+    frequency = tl.load(frequency_ptr + row)
+    presence = tl.load(presence_ptr + row)
+    if (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0):
+        count = tl.load(counts_ptr + row * counts_stride + cols, mask=in_row, other=0)
+        in_prompt = tl.load(prompt_mask_ptr + row * prompt_mask_stride + cols, mask=in_row, other=0) != 0
+        in_output = count > 0
+        repeated = tl.where(x > 0, tl.div_rn(x, repetition), x * repetition)
+        x = tl.where(in_output | in_prompt, repeated, x)
+        x = x - frequency * count.to(tl.float32)
+        x = x - presence * in_output.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, x, mask=in_row)
 
 
-def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
-    """Penalize, in place, the rows ``penalties.rows`` of the float32 ``logits`` [n, vocab]."""
-    num_rows, vocab_size = len(penalties.rows), logits.shape[1]
-    assert logits.dtype == torch.float32 and logits.stride(-1) == 1
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """The ``logits`` [n, vocab] (of any float dtype) penalized, as a new float32 tensor."""
+    (num_rows, vocab_size), out = logits.shape, torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    assert logits.stride(-1) == 1
     counts, prompt_mask = penalties.output_token_counts, penalties.prompt_token_mask.view(torch.uint8)
     if num_rows:
         _penalties_kernel[(num_rows, triton.cdiv(vocab_size, _BLOCK))](
-            logits, logits.stride(0), penalties.rows, counts, counts.stride(0), prompt_mask, prompt_mask.stride(0),
-            penalties.repetition, penalties.frequency, penalties.presence, vocab_size, BLOCK=_BLOCK,
-            enable_fp_fusion=False,
+            logits, logits.stride(0), out, out.stride(0), counts, counts.stride(0), prompt_mask,
+            prompt_mask.stride(0), penalties.repetition, penalties.frequency, penalties.presence, vocab_size,
+            BLOCK=_BLOCK, enable_fp_fusion=False,
         )
+    return out

@@ -76,7 +76,9 @@ def load_eager_kernels(runner: ModelRunner) -> None:
         rows_logits = logits[:num_rows]
         dummy_sample(sampler, rows_logits, greedy=True)
         dummy_sample(sampler, rows_logits, top_p=0.9)
+        # The penalties' pass reads the model's logits, or fp32 ones where logit_bias or a ban came first.
         dummy_sample(sampler, rows_logits, penalties=True)
+        dummy_sample(sampler, rows_logits.float(), penalties=True)
         for count in candidate_counts:
             for min_p in (None, 0.1):  # the candidates of the logits as they are, and of a scaled fp32 copy
                 dummy_sample(sampler, rows_logits, top_k=count, max_top_k=count, min_p=min_p)
@@ -149,8 +151,8 @@ def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False
         processors = None
         if penalties:
             counts = torch.zeros_like(logits, dtype=torch.int32)
-            processors = LogitsProcessorsMetadata(penalties=Penalties(
-                torch.arange(num_rows, device=device), full(0.5), full(0.5), full(1.5), counts, counts.bool()))
+            processors = LogitsProcessorsMetadata(penalties=Penalties(full(0.5), full(0.5), full(1.5), counts,
+                                                                     counts.bool()))
         metadata = SamplingMetadata(full(1.0), None if top_k is None else full(top_k, torch.int32),
                                     None if top_p is None else full(top_p), all_greedy=False, all_random=True,
                                     max_top_k=max_top_k, top_p_without_top_k=top_p is not None and top_k is None,

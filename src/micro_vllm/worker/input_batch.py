@@ -63,27 +63,48 @@ class RequestProcessors:
 class TokenCounts:
     """The tokens of each row as the penalties need them, on the device: how often each token occurs
     in the output, and whether it occurs in the prompt. A row is rebuilt from its request's tokens
-    when the request is (re)added, and each step's sampled tokens are counted on the device."""
+    when the request is (re)added, all such rows of a step at once (``rebuild``: a prefill step may
+    add hundreds, and a few launches for all of them cost less than a few each), and each step's
+    sampled tokens are counted on the device."""
 
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
         self.output = torch.zeros((max_num_reqs, vocab_size), dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros((max_num_reqs, vocab_size), dtype=torch.bool, device=device)
+        self.to_rebuild: dict[int, tuple[np.ndarray, int]] = {}  # row -> (its token ids, how many are the prompt's)
 
     def reset_row(self, row: int, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
-        tokens = to_device(token_ids.astype(np.int64), self.device)
-        self.prompt_mask[row] = False
-        self.prompt_mask[row, tokens[:num_prompt_tokens]] = True
-        self.output[row] = 0
-        self.count(torch.full_like(tokens[num_prompt_tokens:], row), tokens[num_prompt_tokens:])
+        """Give ``row`` these tokens at the next ``rebuild``."""
+        self.to_rebuild[row] = (token_ids.astype(np.int64), num_prompt_tokens)
+
+    def rebuild(self) -> None:
+        """Rebuild the rows reset since the last call, in one copy to the device."""
+        if not self.to_rebuild:
+            return
+        rows = np.fromiter(self.to_rebuild, np.int64, len(self.to_rebuild))
+        token_ids = [tokens for tokens, _ in self.to_rebuild.values()]
+        flat = np.repeat(rows, list(map(len, token_ids))) * self.output.shape[1] + np.concatenate(token_ids)
+        in_prompt = np.concatenate([np.arange(len(tokens)) < n for tokens, n in self.to_rebuild.values()])
+        num_prompt = int(in_prompt.sum())
+        on_device = to_device(np.concatenate([rows, flat[in_prompt], flat[~in_prompt]]), self.device)
+        rows, prompt_flat, output_flat = on_device.split([len(rows), num_prompt, len(flat) - num_prompt])
+        self.output[rows] = 0
+        self.prompt_mask[rows] = False
+        self.prompt_mask.view(-1)[prompt_flat] = True
+        self._count_flat(output_flat)
+        self.to_rebuild.clear()
 
     def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.rebuild()
+        self._count_flat(rows * self.output.shape[1] + token_ids)
+
+    def _count_flat(self, flat: torch.Tensor) -> None:
         # index_add_ counts a repeated (row, token) with atomic adds in one kernel, where index_put_'s
         # accumulate sorts the indices first.
-        flat = rows * self.output.shape[1] + token_ids
-        self.output.view(-1).index_add_(0, flat, torch.ones_like(token_ids, dtype=torch.int32))
+        self.output.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def move_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
+        self.rebuild()
         dst, src = to_device(dst, self.device), to_device(src, self.device)
         self.output[dst] = self.output[src]
         self.prompt_mask[dst] = self.prompt_mask[src]
@@ -292,15 +313,16 @@ class InputBatch:
             fields["logit_bias"] = self._token_biases(biases)
         penalty_rows = np.flatnonzero(self.uses_penalties[: self.num_reqs])
         if len(penalty_rows):
-            params = [self.processors[row].params for row in penalty_rows.tolist()]
-            fields["penalties"] = Penalties(
-                rows=to_device(penalty_rows, self.device),
-                presence=_on_device([p.presence_penalty for p in params], self.device, np.float32),
-                frequency=_on_device([p.frequency_penalty for p in params], self.device, np.float32),
-                repetition=_on_device([p.repetition_penalty for p in params], self.device, np.float32),
-                output_token_counts=self.token_counts.output,
-                prompt_token_mask=self.token_counts.prompt_mask,
-            )
+            # Every row's (0, 0 and 1 where it has none): the Triton pass copies a row without them.
+            settings = np.zeros((3, self.num_reqs), np.float32)
+            settings[2] = 1
+            for row in penalty_rows.tolist():
+                params = self.processors[row].params
+                settings[:, row] = params.presence_penalty, params.frequency_penalty, params.repetition_penalty
+            presence, frequency, repetition = to_device(settings, self.device)
+            self.token_counts.rebuild()
+            fields["penalties"] = Penalties(presence, frequency, repetition, self.token_counts.output,
+                                            self.token_counts.prompt_mask)
         return LogitsProcessorsMetadata(**fields)
 
     def step_sampling_metadata(self, seq_lens: np.ndarray, prev_sampled_token_ids: torch.Tensor | None,
