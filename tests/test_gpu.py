@@ -319,7 +319,8 @@ def test_serving_loads_no_kernel_after_start_up(tmp_path):
     a kernel not yet loaded waits for the step before it and async scheduling loses its overlap. The
     graphs load their kernels at capture; start-up runs what a step launches outside them. After it,
     serving loads nothing: prompts chunked beside decodes (the merge of the last step's tokens),
-    decode batches shrinking by a request a step, each route a sampling batch takes, and the lm_head
+    decode batches shrinking by a request a step, each route a sampling batch takes (the logits
+    processors' too: the first request with penalties allocates their token counts), and the lm_head
     at every row count (cuBLAS picks its kernel by the rows). The Qwen3-0.6B-shaped model (2 layers)
     gives the lm_head its real hidden size and vocabulary."""
     from torch.profiler import ProfilerActivity, profile
@@ -330,7 +331,8 @@ def test_serving_loads_no_kernel_after_start_up(tmp_path):
     max_num_seqs = 48
     prompts = _prompts([10 + 4 * i for i in range(max_num_seqs)], seed=9)  # prompt + output within MAX_MODEL_LEN
     routes = [dict(top_k=20, top_p=0.9), dict(top_p=0.9), dict(top_k=20), {}, dict(temperature=0), dict(min_p=0.05),
-              dict(top_k=20, min_p=0.05)]
+              dict(top_k=20, min_p=0.05), dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2),
+              dict(presence_penalty=0.5, logit_bias={7: 2.0}, allowed_token_ids=list(range(1000)), min_tokens=2)]
     mixed = [SamplingParams(**{"temperature": 0.8, **routes[i % len(routes)]}, max_tokens=1 + i, ignore_eos=True)
              for i in range(max_num_seqs)]  # one request finishes each step
     batches = [mixed] + [[SamplingParams(**{"temperature": 0.8, **route}, max_tokens=4, ignore_eos=True)] * size

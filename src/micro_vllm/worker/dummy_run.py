@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, Penalties
+from micro_vllm.sampling.logits_processors import LogitsProcessorsMetadata, Penalties, TokenBiases
 from micro_vllm.sampling.sampler import Sampler, SamplingMetadata
+from micro_vllm.worker.input_batch import TokenCounts
 
 if TYPE_CHECKING:
     from micro_vllm.worker.model_runner import ModelRunner
@@ -60,8 +61,10 @@ def load_eager_kernels(runner: ModelRunner) -> None:
     * each sampling route: all greedy, top-p alone (over whole rows), top-k alone and top-k with
       top-p over each number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ
       with it), from the logits as they are and from the scaled fp32 copy that min-p (and top-k
-      beside the penalties) makes, the penalties (which also compiles the Triton route's pass), each
-      on one row and on two, as a library may pick its kernel by the row count (cuBLAS does);
+      beside the penalties) makes, the logits processors (which also compiles the Triton route's
+      penalties pass), each on one row and on two, as a library may pick its kernel by the row count
+      (cuBLAS does);
+    * the penalties' token counts: a row rebuilt, the sampled tokens counted, a row moved;
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
       int64 ``index_select`` and ``index_copy_``, ``ModelRunner._input_ids``).
     """
@@ -76,9 +79,10 @@ def load_eager_kernels(runner: ModelRunner) -> None:
         rows_logits = logits[:num_rows]
         dummy_sample(sampler, rows_logits, greedy=True)
         dummy_sample(sampler, rows_logits, top_p=0.9)
-        # The penalties' pass reads the model's logits, or fp32 ones where logit_bias or a ban came first.
-        dummy_sample(sampler, rows_logits, penalties=True)
-        dummy_sample(sampler, rows_logits.float(), penalties=True)
+        # The penalties alone (their pass reads the model's logits), and after the other processors
+        # (on the fp32 copy those make).
+        dummy_sample(sampler, rows_logits, processors="penalties")
+        dummy_sample(sampler, rows_logits, processors="all")
         for count in candidate_counts:
             for min_p in (None, 0.1):  # the candidates of the logits as they are, and of a scaled fp32 copy
                 dummy_sample(sampler, rows_logits, top_k=count, max_top_k=count, min_p=min_p)
@@ -86,6 +90,10 @@ def load_eager_kernels(runner: ModelRunner) -> None:
     input_ids = torch.zeros(len(sampled), dtype=torch.int64, device=settings.device)
     rows = torch.arange(len(sampled), device=settings.device)
     input_ids.index_copy_(0, rows, sampled.index_select(0, rows))
+    token_counts = TokenCounts(2, vocab_size, settings.device)
+    token_counts.reset_row(0, np.arange(3), num_prompt_tokens=2)
+    token_counts.count(rows, sampled[rows])
+    token_counts.move_rows(np.array([1]), np.array([0]))
 
 
 @torch.inference_mode()
@@ -136,10 +144,11 @@ def own_sampler(runner: ModelRunner, max_num_reqs: int) -> Sampler:
 
 def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False, top_k: int | None = None,
                  top_p: float | None = None, max_top_k: int | None = None, min_p: float | None = None,
-                 penalties: bool = False) -> torch.Tensor:
+                 processors: str | None = None) -> torch.Tensor:
     """Sample every row of ``logits`` with one setting, as the runner's metadata would send it: all
-    greedy, or temperature 1 with this top-k / top-p / min-p (None: off) or with the penalties (over
-    no tokens), drawn through the Triton sampler's seeds when it is in use. Returns the sampled ids."""
+    greedy, or temperature 1 with this top-k / top-p / min-p (None: off) or with logits processors
+    ("penalties" over no tokens, or "all": allowed_token_ids, a bias, a ban and the penalties), drawn
+    through the Triton sampler's seeds when it is in use. Returns the sampled ids."""
     num_rows, device = len(logits), logits.device
 
     def full(value, dtype=torch.float32) -> torch.Tensor:
@@ -148,15 +157,21 @@ def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False
     if greedy:
         metadata = SamplingMetadata(full(0.0), None, None, all_greedy=True, all_random=False)
     else:
-        processors = None
-        if penalties:
+        inputs = None
+        if processors is not None:
             counts = torch.zeros_like(logits, dtype=torch.int32)
-            processors = LogitsProcessorsMetadata(penalties=Penalties(full(0.5), full(0.5), full(1.5), counts,
-                                                                     counts.bool()))
+            penalties = Penalties(full(0.5), full(0.5), full(1.5), counts, counts.bool())
+            inputs = LogitsProcessorsMetadata(penalties=penalties)
+            if processors == "all":
+                rows = torch.arange(num_rows, device=device)
+                token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
+                biases = TokenBiases(rows, token_ids, full(1.0))
+                inputs = LogitsProcessorsMetadata(allowed_rows=rows, allowed_token_ids=(rows, token_ids),
+                                                  logit_bias=biases, bans=biases, penalties=penalties)
         metadata = SamplingMetadata(full(1.0), None if top_k is None else full(top_k, torch.int32),
                                     None if top_p is None else full(top_p), all_greedy=False, all_random=True,
                                     max_top_k=max_top_k, top_p_without_top_k=top_p is not None and top_k is None,
-                                    logits_processors=processors, min_p=None if min_p is None else full(min_p))
+                                    logits_processors=inputs, min_p=None if min_p is None else full(min_p))
     return sampler(logits, sampler.add_row_seeds(metadata, {})).sampled_token_ids
 
 
