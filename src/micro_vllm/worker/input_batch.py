@@ -314,12 +314,14 @@ class InputBatch:
         penalty_rows = np.flatnonzero(self.uses_penalties[: self.num_reqs])
         if len(penalty_rows):
             # Every row's (0, 0 and 1 where it has none): the Triton pass copies a row without them.
-            settings = np.zeros((3, self.num_reqs), np.float32)
+            # One copy to the device, each setting's row starting 16-byte aligned: Triton compiles a
+            # kernel variant per alignment of its pointers, and start-up compiles the aligned one.
+            settings = np.zeros((3, -(-self.num_reqs // 4) * 4), np.float32)
             settings[2] = 1
             for row in penalty_rows.tolist():
                 params = self.processors[row].params
                 settings[:, row] = params.presence_penalty, params.frequency_penalty, params.repetition_penalty
-            presence, frequency, repetition = to_device(settings, self.device)
+            presence, frequency, repetition = to_device(settings, self.device)[:, : self.num_reqs]
             self.token_counts.rebuild()
             fields["penalties"] = Penalties(presence, frequency, repetition, self.token_counts.output,
                                             self.token_counts.prompt_mask)
