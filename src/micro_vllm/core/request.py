@@ -22,7 +22,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
+        return self in _FINISH_REASONS
 
 
 _FINISH_REASONS = {

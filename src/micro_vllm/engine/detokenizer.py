@@ -117,9 +117,10 @@ class IncrementalDetokenizer:
             text_token_ids = new_token_ids[:-1]
         # The text of the first min_tokens tokens cannot end a stop string (vLLM's rule).
         num_held = min(max(self.min_tokens - (len(self.token_ids) - len(new_token_ids)), 0), len(text_token_ids))
-        self.output_text += "".join(self._decode_next(token_id) for token_id in text_token_ids[:num_held])
+        texts = [self._decode_next(token_id) for token_id in text_token_ids]
+        self.output_text += "".join(texts[:num_held])
         length_before = len(self.output_text)
-        self.output_text += "".join(self._decode_next(token_id) for token_id in text_token_ids[num_held:])
+        self.output_text += "".join(texts[num_held:])
         if stop_terminated or not self.stop:
             return None
         return self._check_stop_strings(len(self.output_text) - length_before)
