@@ -64,11 +64,11 @@ def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMeta
                             penalize: PenaltiesApplier) -> torch.Tensor:
     """The processed logits in float32 (a new tensor; ``logits`` is left as it was). ``penalize``
     applies the penalties: ``apply_penalties``, or the Triton pass of ``triton_penalties`` on the
-    Sampler's Triton route; either makes the float32 copy itself, so a batch with only penalties
-    reads its logits once."""
-    processed = logits
-    if metadata.allowed_rows is not None or metadata.logit_bias is not None or metadata.bans is not None:
-        processed = logits.to(torch.float32, copy=True)
+    Sampler's Triton route; either writes a new float32 tensor, so that a batch with the penalties
+    alone reads its logits once."""
+    penalties_alone = metadata.penalties is not None and all(
+        field is None for field in (metadata.allowed_rows, metadata.logit_bias, metadata.bans))
+    processed = logits if penalties_alone else logits.to(torch.float32, copy=True)
     if metadata.allowed_rows is not None:
         banned = torch.zeros_like(processed, dtype=torch.bool)
         banned[metadata.allowed_rows] = True
@@ -77,9 +77,7 @@ def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMeta
     for biases in (metadata.logit_bias, metadata.bans):
         if biases is not None:
             processed.index_put_((biases.rows, biases.token_ids), biases.values, accumulate=True)
-    if metadata.penalties is not None:
-        return penalize(processed, metadata.penalties)
-    return processed if processed is not logits else logits.to(torch.float32, copy=True)
+    return processed if metadata.penalties is None else penalize(processed, metadata.penalties)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
