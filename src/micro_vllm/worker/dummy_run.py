@@ -6,7 +6,7 @@ outside its CUDA graph, which loads those kernels. They go through the runner's 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -144,7 +144,7 @@ def own_sampler(runner: ModelRunner, max_num_reqs: int) -> Sampler:
 
 def dummy_sample(sampler: Sampler, logits: torch.Tensor, *, greedy: bool = False, top_k: int | None = None,
                  top_p: float | None = None, max_top_k: int | None = None, min_p: float | None = None,
-                 processors: str | None = None) -> torch.Tensor:
+                 processors: Literal["penalties", "all"] | None = None) -> torch.Tensor:
     """Sample every row of ``logits`` with one setting, as the runner's metadata would send it: all
     greedy, or temperature 1 with this top-k / top-p / min-p (None: off) or with logits processors
     ("penalties" over no tokens, or "all": allowed_token_ids, a bias, a ban and the penalties), drawn
