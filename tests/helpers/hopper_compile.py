@@ -181,12 +181,19 @@ def main() -> int:
         logits = torch.zeros(4, 151936, dtype=dtype)
         candidates = torch.zeros(4, 64, dtype=dtype)
         triton_top_k_top_p.top_k_top_p_threshold(candidates, logits, top_k, top_p, inverse_temperature)
-    # The penalties, from the model's logits and from fp32 ones the other processors made.
+    # The penalties, from the model's logits and from fp32 ones the other processors made, with each
+    # row's settings as the runner passes them: the rows of one tensor, 16-byte aligned for a batch of
+    # 4 rows and not for one of 5. One variant per logits dtype, whatever the alignment.
     vocab = 151936
-    penalties = Penalties(torch.zeros(4), torch.zeros(4), torch.ones(4), torch.zeros(8, vocab, dtype=torch.int32),
-                          torch.zeros(8, vocab, dtype=torch.bool))
-    for dtype in (torch.bfloat16, torch.float32):
-        triton_penalties.apply_penalties(torch.zeros(4, vocab, dtype=dtype), penalties)
+    counts, prompt_mask = torch.zeros(8, vocab, dtype=torch.int32), torch.zeros(8, vocab, dtype=torch.bool)
+    for num_rows in (4, 5):
+        presence, frequency, repetition = torch.ones(3, num_rows)
+        penalties = Penalties(presence, frequency, repetition, counts, prompt_mask)
+        for dtype in (torch.bfloat16, torch.float32):
+            triton_penalties.apply_penalties(torch.zeros(num_rows, vocab, dtype=dtype), penalties)
+    penalty_variants = sum(key[0] == "_penalties_kernel" for key in compiled)
+    if penalty_variants != 2:
+        raise RuntimeError(f"the penalties pass compiled {penalty_variants} variants; one per logits dtype is 2")
     print(f"{len(compiled)} kernel variants compiled for sm_90")
     return 0
 

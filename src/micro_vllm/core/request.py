@@ -22,7 +22,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self in _FINISH_REASONS  # the finished statuses are those with a finish reason
 
 
 _FINISH_REASONS = {

@@ -20,7 +20,9 @@ from micro_vllm.sampling.logits_processors import Penalties
 _BLOCK = 1024  # tokens per program: 8 per thread of 4 warps
 
 
-@triton.jit
+# A row's settings are one value each, loaded alone: their pointers' alignment (the runner passes the
+# rows of one tensor, aligned or not with the batch's size) gains nothing and must not make variants.
+@triton.jit(do_not_specialize_on_alignment=["repetition_ptr", "frequency_ptr", "presence_ptr"])
 def _penalties_kernel(logits_ptr, logits_stride, out_ptr, out_stride, counts_ptr, counts_stride, prompt_mask_ptr,
                       prompt_mask_stride, repetition_ptr, frequency_ptr, presence_ptr, vocab_size,
                       BLOCK: tl.constexpr):

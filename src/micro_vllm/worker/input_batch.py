@@ -75,6 +75,7 @@ class TokenCounts:
 
     def reset_row(self, row: int, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         """Give ``row`` these tokens at the next ``rebuild``."""
+        # A copy: the batch may move its rows' tokens before the rebuild.
         self.to_rebuild[row] = (token_ids.astype(np.int64), num_prompt_tokens)
 
     def rebuild(self) -> None:
@@ -313,15 +314,14 @@ class InputBatch:
             fields["logit_bias"] = self._token_biases(biases)
         penalty_rows = np.flatnonzero(self.uses_penalties[: self.num_reqs])
         if len(penalty_rows):
-            # Every row's (0, 0 and 1 where it has none): the Triton pass copies a row without them.
-            # One copy to the device, each setting's row starting 16-byte aligned: Triton compiles a
-            # kernel variant per alignment of its pointers, and start-up compiles the aligned one.
-            settings = np.zeros((3, -(-self.num_reqs // 4) * 4), np.float32)
+            # Every row's (0, 0 and 1 where it has none, which the Triton pass only copies), in one
+            # copy to the device.
+            settings = np.zeros((3, self.num_reqs), np.float32)
             settings[2] = 1
             for row in penalty_rows.tolist():
                 params = self.processors[row].params
                 settings[:, row] = params.presence_penalty, params.frequency_penalty, params.repetition_penalty
-            presence, frequency, repetition = to_device(settings, self.device)[:, : self.num_reqs]
+            presence, frequency, repetition = to_device(settings, self.device)
             self.token_counts.rebuild()
             fields["penalties"] = Penalties(presence, frequency, repetition, self.token_counts.output,
                                             self.token_counts.prompt_mask)
