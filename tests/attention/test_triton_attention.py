@@ -133,8 +133,9 @@ def build_step(query_lens: list[int], *, num_heads: int = 4, head_size: int = 12
                kv_cache_dtype: torch.dtype = torch.bfloat16) -> triton_attn.TritonAttentionMetadata:
     """The metadata the triton builder of a group of layers with ``num_heads`` query heads over 2 KV
     heads of ``head_size`` builds for a step of prompts of ``query_lens`` tokens (no cache needed)."""
+    dtype = torch.bfloat16 if kv_cache_dtype.itemsize == 1 else kv_cache_dtype  # the model's
     builder = triton_attn.TritonAttentionMetadataBuilder(AttentionSpec(2, head_size), num_heads, 16, len(query_lens),
-                                                         torch.device("cpu"), kv_cache_dtype)
+                                                         torch.device("cpu"), kv_cache_dtype, dtype)
     lens = torch.tensor(query_lens, dtype=torch.int32)
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
     num_tokens = sum(query_lens)
@@ -161,9 +162,12 @@ def test_long_prompts_take_the_long_prefill_tiles() -> None:
     assert build_step(long, num_heads=32).tiles.block_m == 128  # 8 queries of 16 heads
     wide = build_step(long, head_size=256)  # wide heads keep theirs, and read every key through the pages
     assert wide.tiles.block_m == 64 and not wide.tiles.step_kv_tma and not wide.kv_from_step
-    fp8 = build_step(long, kv_cache_dtype=torch.float8_e4m3fn)  # whatever the length
-    assert (fp8.tiles.block_m, fp8.tiles.tile_n) == (64, 64) and not fp8.kv_from_step
-    assert build_step([300, 1], kv_cache_dtype=torch.float8_e4m3fn).tiles == fp8.tiles
+    # An fp8 cache's step reads its rows as the write launch rounded them: the long tiles as any cache's,
+    # shorter ones 64 keys a step (the cached keys widen in registers).
+    fp8 = build_step(long, kv_cache_dtype=torch.float8_e4m3fn)
+    assert fp8.tiles == by_tma.tiles and fp8.kv_from_step
+    fp8_short = build_step([300, 1], kv_cache_dtype=torch.float8_e4m3fn)
+    assert tuple(fp8_short.tiles) == (64, 64, 4, 2, False, False) and fp8_short.kv_from_step
     decodes = build_step([1, 1, 1])  # one program per request, the new K/V stored by the launch
     assert tuple(decodes.tiles) == (16, 128, 4, 3, True, False) and decodes.num_query_blocks == 3
     assert decodes.write_kv_in_launch and not decodes.kv_from_step and decodes.decode_order is not None
@@ -223,7 +227,8 @@ def test_the_builder_orders_decode_steps_longest_context_first(rng: random.Rando
     """The builder gives a decode step its order, longest context first, in a buffer of its own at a
     fixed address (a captured graph reads it); a step with a longer query gets none."""
     spec = AttentionSpec(num_kv_heads=2, head_size=16)
-    builder = triton_attn.TritonAttentionMetadataBuilder(spec, 4, 16, 8, torch.device(DEVICE), torch.float32)
+    builder = triton_attn.TritonAttentionMetadataBuilder(spec, 4, 16, 8, torch.device(DEVICE), torch.float32,
+                                                         torch.float32)
     shape = dict(num_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32)
     decodes = make_batch(rng, [(1, context) for context in (5, 40, 5, 17)], **shape)
     order = builder.build(decodes.metadata.common).decode_order
@@ -238,7 +243,7 @@ def order_builder():
     """A function that builds, with one triton metadata builder, a step of requests with these
     context lengths, ``query_len`` tokens each, and returns the decode order it got."""
     builder = triton_attn.TritonAttentionMetadataBuilder(AttentionSpec(num_kv_heads=2, head_size=16), 4, 16, 8,
-                                                         torch.device(DEVICE), torch.float32)
+                                                         torch.device(DEVICE), torch.float32, torch.float32)
 
     def step(seq_lens: list[int], query_len: int = 1) -> torch.Tensor | None:
         lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -399,7 +404,7 @@ def test_head_size_above_256_is_refused(rng: random.Random) -> None:
 def test_query_heads_not_a_multiple_of_kv_heads_are_refused(name: str) -> None:
     builder_cls = get_backend_cls(name).builder_cls
     with pytest.raises(ValueError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
-        builder_cls(AttentionSpec(4, 16), 6, 16, 8, torch.device("cpu"), torch.float32)
+        builder_cls(AttentionSpec(4, 16), 6, 16, 8, torch.device("cpu"), torch.float32, torch.float32)
 
 
 class NoWriteLaunch:

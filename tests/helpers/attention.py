@@ -29,7 +29,7 @@ class Batch:
         _, _, block_size, num_kv_heads, head_size = self.kv_cache.shape
         common = self.metadata.common
         builder = builder_cls(AttentionSpec(num_kv_heads, head_size, sliding_window), self.query.shape[1], block_size,
-                              common.num_reqs, self.query.device, self.kv_cache.dtype)
+                              common.num_reqs, self.query.device, self.kv_cache.dtype, self.query.dtype)
         return builder.build(common)
 
 

@@ -108,7 +108,7 @@ def attention_launches(dtype: torch.dtype, group: int, window: int | None, num_s
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=kv_cache_dtype or dtype)
     builder = triton_attn.TritonAttentionMetadataBuilder(
         AttentionSpec(num_kv_heads, head_size, window), group * num_kv_heads, block_size, max_num_reqs,
-        torch.device("cpu"), kv_cache.dtype,
+        torch.device("cpu"), kv_cache.dtype, dtype,
     )
     # A decode batch (decode tiles), a step of short chunks (decode tiles on a prefill step's path),
     # a mixed one (prefill tiles), one with a long prompt (long-prefill tiles).

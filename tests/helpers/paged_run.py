@@ -32,7 +32,7 @@ def layer_metadata(model: nn.Module, common: CommonAttentionMetadata, block_size
     (the runner builds it once per KV cache group, whose layers share a spec)."""
     return [
         layer.backend.builder_cls(layer.spec, layer.num_heads, block_size, common.num_reqs, common.seq_lens.device,
-                                  layer.kv_cache.dtype)
+                                  layer.kv_cache.dtype, next(model.parameters()).dtype)
         .build(common)
         for layer in model.attention_layers()
     ]

@@ -109,7 +109,7 @@ def test_a_decode_step_padded_to_a_graph_size_stages_dummies_that_write_nowhere(
     layers = [Attention(num_heads=4, head_size=16, num_kv_heads=2, scale=0.25)]
     groups = make_kv_cache_groups([layer.spec for layer in layers])
     buffers = InputBuffers(layers, get_backend_cls("triton")(), groups, max_num_reqs=8, max_num_tokens=8,
-                           max_model_len=64, block_size=16, device=torch.device("cpu"))
+                           max_model_len=64, block_size=16, device=torch.device("cpu"), dtype=torch.float32)
     [block_table], [slot_mapping] = buffers.block_tables, buffers.slot_mappings
     buffers.seq_lens.np[:] = 50
     slot_mapping.np[:] = 7

@@ -19,7 +19,7 @@ class InputBuffers:
 
     def __init__(self, layers: list[Attention], backend: AttentionBackend, groups: list[KVCacheGroup],
                  max_num_reqs: int, max_num_tokens: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         max_blocks = self.num_cols(max_model_len)
@@ -33,7 +33,8 @@ class InputBuffers:
         # A group's layers share their heads and cache dtype: its first layer tells them.
         first_layers = [layers[group.layer_indices[0]] for group in groups]
         self.builders = [
-            backend.builder_cls(group.spec, layer.num_heads, block_size, max_num_reqs, device, layer.kv_cache.dtype)
+            backend.builder_cls(group.spec, layer.num_heads, block_size, max_num_reqs, device, layer.kv_cache.dtype,
+                                dtype)
             for group, layer in zip(groups, first_layers)
         ]
         self.layer_group = [0] * len(layers)  # decoder layer -> its KV cache group

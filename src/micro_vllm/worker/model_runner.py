@@ -145,7 +145,7 @@ class ModelRunner:
                                       self.device)
         # One request slot more than can run, for the dummy prompt that pads a step to a CUDA graph.
         self.buffers = InputBuffers(self.model.attention_layers(), self.attn_backend, groups, max_reqs + 1,
-                                    max_tokens, settings.max_model_len, settings.block_size, self.device)
+                                    max_tokens, settings.max_model_len, settings.block_size, self.device, settings.dtype)
         self.logits_indices = CpuGpuBuffer((max_reqs,), torch.int64, self.device)
         self.prev_token_dst = CpuGpuBuffer((max_reqs,), torch.int64, self.device)  # step tokens that take ...
         self.prev_token_src = CpuGpuBuffer((max_reqs,), torch.int64, self.device)  # ... the last step's tokens
@@ -348,7 +348,7 @@ class ModelRunner:
         # block table's row stride. Their block tables stay all zeros.
         buffers = InputBuffers(self.model.attention_layers(), self.attn_backend,
                                make_kv_cache_groups(self.get_attention_specs()), num_reqs, num_tokens,
-                               settings.max_model_len, settings.block_size, self.device)
+                               settings.max_model_len, settings.block_size, self.device, settings.dtype)
         np.cumsum(query_lens, out=buffers.query_start_loc.np[1:])
         buffers.seq_lens.np[:] = query_lens
         buffers.positions.np[:] = np.concatenate([np.arange(n) for n in query_lens])

@@ -55,12 +55,13 @@ class AttentionMetadataBuilder:
     """Builds a backend's metadata for one KV cache group, once per step (vLLM's name). This base
     class serves backends that read only the common metadata.
 
-    ``spec``, ``num_heads`` and ``kv_cache_dtype`` describe the group's layers, checked here once; a
+    ``spec``, ``num_heads``, ``kv_cache_dtype`` and ``dtype`` (the model's: the queries' and the step's
+    K/V rows') describe the group's layers, checked here once; a
     builder that stages tensors of its own allocates them here, for at most ``max_num_reqs``
     requests, at addresses that never change (a captured CUDA graph reads them)."""
 
     def __init__(self, spec: AttentionSpec, num_heads: int, block_size: int, max_num_reqs: int,
-                 device: torch.device, kv_cache_dtype: torch.dtype) -> None:
+                 device: torch.device, kv_cache_dtype: torch.dtype, dtype: torch.dtype) -> None:
         if num_heads % spec.num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}: "
                              "each KV head must serve the same number of query heads")
@@ -70,6 +71,7 @@ class AttentionMetadataBuilder:
         self.max_num_reqs = max_num_reqs
         self.device = device
         self.kv_cache_dtype = kv_cache_dtype
+        self.dtype = dtype
 
     def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return AttentionMetadata(common)

@@ -41,7 +41,9 @@ store them (saturating, ``_to_cache_dtype``) and widen each loaded tile to the q
 products and the softmax run as with a cache in the model's dtype, on half the bytes. A bf16 query
 is first converted to fp16 (clamped to its range; fp16 holds bf16's values of that range exactly or
 more precisely): the GPU widens two fp8 values to fp16 in one instruction, where bf16 takes several,
-and with bf16 tiles the widening, not the reading, bounded the kernel.
+and with bf16 tiles the widening, not the reading, bounded the kernel. A step with prefill chunks reads
+its own keys back from its rows (``KV_FROM_STEP``) as with any cache: its write launch first rounds the
+rows to the values the cache holds (``_step_rows``), so the long-prompt tiles serve an fp8 cache too.
 
 Head sizes need not be powers of two (80, 96, 12...): the kernels work on ``HEAD_PAD`` lanes, the
 head size rounded up to a power of two and to at least 16 (``tl.arange`` and ``tl.dot`` need both),
@@ -118,21 +120,27 @@ def _write_kv_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    ROUND_ROWS: tl.constexpr,  # also overwrite the rows with what the cache holds (_step_rows)
 ):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:  # padding token: nothing to store
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & _dim_mask(HEAD_SIZE, HEAD_PAD)[None, :]
-    dst = block * cache_stride_block + offset * cache_stride_tok + heads * cache_stride_head + dims
-    k = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
-    v = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, _to_cache_dtype(k, k_cache_ptr), mask=mask)
-    tl.store(v_cache_ptr + dst, _to_cache_dtype(v, v_cache_ptr), mask=mask)
+    k_row = token * key_stride_t + heads * key_stride_h + dims
+    v_row = token * value_stride_t + heads * value_stride_h + dims
+    k = _to_cache_dtype(tl.load(key_ptr + k_row, mask=mask), k_cache_ptr)
+    v = _to_cache_dtype(tl.load(value_ptr + v_row, mask=mask), v_cache_ptr)
+    if ROUND_ROWS:  # padding rows too: whatever the attention reads from the rows is a number
+        key_rows, value_rows = _step_rows(key_ptr, k_cache_ptr), _step_rows(value_ptr, v_cache_ptr)
+        tl.store(key_rows + k_row, k.to(key_rows.dtype.element_ty), mask=mask)
+        tl.store(value_rows + v_row, v.to(value_rows.dtype.element_ty), mask=mask)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token: nothing to store
+        return
+    dst = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_tok
+    dst += heads * cache_stride_head + dims
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -142,6 +150,19 @@ def _to_cache_dtype(x, cache_ptr):
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
     return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _step_rows(rows_ptr, cache_ptr):
+    """A step's K or V rows as the attention kernel reads them back (``KV_FROM_STEP``). With an fp8
+    cache the write launch first overwrites them with the values the cache holds (fp8 values are
+    exact in every wider float type), in the dtype the products take: fp16 for a bf16 model, whose
+    two-byte rows then hold fp16 values. The prefill tiles then stream them as they stream any
+    cache's rows, and a key weighs the same in this step as in every later one."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        if rows_ptr.dtype.element_ty == tl.bfloat16:
+            rows_ptr = rows_ptr.to(tl.pointer_type(tl.float16))
+    return rows_ptr
 
 
 @triton.jit
@@ -427,8 +448,8 @@ def _attention_kernel(
         if HAS_WINDOW:
             step_full_begin = tl.cdiv(tl.maximum(key_end - window - context_len, 0), TILE_N)
         first_row = q_begin.to(tl.int64)
-        k_rows = key_ptr + first_row * key_stride_t + kv_head.to(tl.int64) * key_stride_h
-        v_rows = value_ptr + first_row * value_stride_t + kv_head.to(tl.int64) * value_stride_h
+        k_rows = _step_rows(key_ptr, k_cache_ptr) + first_row * key_stride_t + kv_head.to(tl.int64) * key_stride_h
+        v_rows = _step_rows(value_ptr, v_cache_ptr) + first_row * value_stride_t + kv_head.to(tl.int64) * value_stride_h
         if STEP_KV_TMA:  # the request's rows: a tile past them reads 0, as a masked load would
             k_rows = tl.make_tensor_descriptor(k_rows, shape=[q_len, HEAD_SIZE], strides=[key_stride_t, 1],
                                                block_shape=[TILE_N, HEAD_PAD])
@@ -571,10 +592,6 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
         return _Tiles(16, tile_n, 4, 3, one_qblock_per_req=True)
     rows = max(64, triton.next_power_of_2(group))
     if _head_pad(head_size) <= 128:  # wider heads fill the registers with the tile below already
-        # An fp8 cache's K/V tiles are widened in registers and stored to shared memory again for
-        # the products: 64 keys a step pay that round trip for twice the keys.
-        if fp8_cache:
-            return _Tiles(rows, 64, 4, 2, one_qblock_per_req=False)
         # Long prompts take twice the rows on two warpgroups and 64 keys a step: each K/V tile then
         # serves twice the queries and each rescale of the accumulator twice the keys, which pays
         # once most of a program's tiles are unmasked; on short prompts it does not. Three stages
@@ -590,6 +607,10 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
                 return _Tiles(max(128, rows), 64, 8, 2, one_qblock_per_req=False)
             return _Tiles(max(128, rows), 128 if step_kv_aligned else 64, 8, 3, one_qblock_per_req=False,
                           step_kv_tma=step_kv_aligned)
+        # An fp8 cache's K/V tiles are widened in registers and stored to shared memory again for
+        # the products: 64 keys a step pay that round trip for twice the keys.
+        if fp8_cache:
+            return _Tiles(rows, 64, 4, 2, one_qblock_per_req=False)
     # 32 keys per step: the tall query tile already fills the registers, so a narrower key tile
     # keeps more stages in flight (docs/benchmarks.md, "Attention kernel choices").
     return _Tiles(rows, 32, 4, 2, one_qblock_per_req=False)
@@ -635,20 +656,20 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.shape = _GroupShape(spec.num_kv_heads, self.num_heads // spec.num_kv_heads, spec.head_size,
                                  _head_pad(spec.head_size), self.block_size)
         # The cache holds K/V in the model's dtype (that of the queries and the step's K/V rows) or
-        # in fp8 (AttentionBackend), so its dtype says which tiles fit.
+        # in fp8 (AttentionBackend): the two say which tiles fit.
         self.fp8_cache = self.kv_cache_dtype == torch.float8_e4m3fn
-        self.fp32 = self.kv_cache_dtype == torch.float32
+        self.fp32 = self.dtype == torch.float32
         # Steps with prefill chunks read their own keys from the step's K/V rows rather than back
         # through the pages: contiguous rows need no page lookup per key, so the prefill tiles stream
-        # them as plain tiles (benchmarks/attention_sweep.py). Not when the cache rounds what it
-        # stores (fp8: a key must weigh the same in every step), nor for heads wider than 128, whose
-        # programs run out of registers with both key sources (tests/helpers/hopper_compile.py);
-        # ``build`` also leaves it to the decode tiles.
-        self.kv_from_step = not self.fp8_cache and self.shape.head_pad <= 128
+        # them as plain tiles (benchmarks/attention_sweep.py), an fp8 cache's as its write launch
+        # rounded them (_step_rows). Not for heads wider than 128, whose programs run out of
+        # registers with both key sources (tests/helpers/hopper_compile.py); ``build`` also leaves
+        # it to the decode tiles.
+        self.kv_from_step = self.shape.head_pad <= 128
         # TMA copies rows whose start and strides are multiples of 16 bytes. A layer's K/V rows start
         # and step by whole heads within its projections' outputs (allocated at coarser alignments),
         # so they are when a head is.
-        self.step_kv_aligned = not self.fp8_cache and spec.head_size * self.kv_cache_dtype.itemsize % 16 == 0
+        self.step_kv_aligned = spec.head_size * self.dtype.itemsize % 16 == 0
         self.decode_order = CpuGpuBuffer((self.max_num_reqs,), torch.int32, self.device)
         # The context lengths of a decode step that keeps the staged order: those it was sorted for,
         # each one longer (adding the same to every length changes no comparison, ties included),
@@ -713,8 +734,12 @@ class TritonBackend(AttentionBackend):
         return 0 < head_size <= _MAX_HEAD_SIZE
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        round_rows: bool = False,
     ) -> None:
+        """Store the step's K/V; with ``round_rows`` (``write_and_attend``'s, for an fp8 cache whose
+        step is read back from its rows) also overwrite ``key`` and ``value`` with what the cache
+        holds, in the dtype the attention kernel reads them in (_step_rows)."""
         num_tokens = slot_mapping.shape[0]
         if num_tokens == 0:
             return
@@ -738,6 +763,7 @@ class TritonBackend(AttentionBackend):
             HEAD_SIZE=head_size,
             HEAD_PAD=_head_pad(head_size),
             BLOCK_SIZE=block_size,
+            ROUND_ROWS=round_rows and kv_cache.dtype.itemsize == 1,
         )
 
     def forward(
@@ -765,7 +791,7 @@ class TritonBackend(AttentionBackend):
         queries write first, for the steps after them, then attend with this step's rows at hand
         (the builder's ``kv_from_step`` says whether their keys are read from them)."""
         if not metadata.write_kv_in_launch:
-            self.write_kv(key, value, kv_cache, metadata.common.slot_mapping)
+            self.write_kv(key, value, kv_cache, metadata.common.slot_mapping, round_rows=metadata.kv_from_step)
         return self._attend(query, key, value, kv_cache, metadata, scale, sliding_window)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
