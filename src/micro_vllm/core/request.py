@@ -12,7 +12,11 @@ if TYPE_CHECKING:
     from micro_vllm.structured_output.manager import StructuredOutputGrammar
 
 
-class RequestStatus(enum.Enum):
+class RequestStatus(enum.IntEnum):
+    """Ordered as vLLM's: every finished status comes after PREEMPTED. An IntEnum, so that the
+    comparisons and lookups the engine makes for every request at every step are int's, not the
+    Python-level hash of a plain Enum member."""
+
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -22,7 +26,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS  # the finished statuses are those with a finish reason
+        return self > RequestStatus.PREEMPTED
 
 
 _FINISH_REASONS = {
