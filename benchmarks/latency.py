@@ -26,20 +26,18 @@ import time
 import torch
 from bench_model import build_random_model
 from throughput import gpu_busy, sync
+from workloads import (LATENCY_BATCH_SIZES, LATENCY_MAX_MODEL_LEN, LATENCY_OUTPUT_LEN, LATENCY_PROMPT_LEN,
+                       MAX_TOKEN_ID, latency_prompts)
 from micro_vllm import LLM, RequestOutputKind, SamplingParams
 
 
 def measure(llm: LLM, batch_size: int, prompt_len: int, output_len: int, run: int = 0) -> dict[str, float]:
     engine = llm.engine
-    rng = random.Random(batch_size if run == 0 else f"{batch_size}-{run}")
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    top_id = min(10000, engine.vocab_size - 1)  # the recipe's ids, within a small test model's vocabulary
-    requests = [
-        engine.make_request(f"latency-{batch_size}-{run}-{i}", [rng.randint(0, top_id) for _ in range(prompt_len)],
-                            params)
-        for i in range(batch_size)
-    ]
+    prompts = latency_prompts(batch_size, prompt_len, run, max_token_id=min(MAX_TOKEN_ID, engine.vocab_size - 1))
+    requests = [engine.make_request(f"latency-{batch_size}-{run}-{i}", prompt, params)
+                for i, prompt in enumerate(prompts)]
     first_token, finished, step_ms = {}, {}, []
     allocations_before = allocations()
     start = time.perf_counter()
@@ -104,9 +102,9 @@ def profile_batch(llm: LLM, batch_size: int, prompt_len: int, decode_steps: int 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (default: random Qwen3-0.6B-shaped bf16 model)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(LATENCY_BATCH_SIZES))
+    parser.add_argument("--prompt-len", type=int, default=LATENCY_PROMPT_LEN)
+    parser.add_argument("--output-len", type=int, default=LATENCY_OUTPUT_LEN)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     parser.add_argument("--repeat", type=int, default=1, help="runs of all the batch sizes, each on new prompts")
@@ -115,8 +113,8 @@ def main() -> None:
                         help="then print kernel profiles of a batch's steps (default: one request)")
     args = parser.parse_args()
 
-    llm = LLM(model=args.model or str(build_random_model()), max_model_len=4096, enforce_eager=args.enforce_eager,
-              kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(model=args.model or str(build_random_model()), max_model_len=LATENCY_MAX_MODEL_LEN,
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
     measure(llm, 1, 16, 8)  # warm-up
     rows = []
     for run in range(args.repeat):

@@ -18,6 +18,10 @@
 # needs in the versions of vLLM's wheels, so that shadowing those changes nothing), and lm-format-enforcer
 # with interegular, which vLLM imports to validate any request with a schema, as EXTRA_WHEELS:
 #   EXTRA_WHEELS=.whlso WORKLOADS=json-schema MAX_MODEL_LEN=4096 bash benchmarks/peer_workloads.sh MODEL_DIR
+# WORKLOADS=latency times the latency batches instead, greedy (1, 8 and 64 prompts of 512 tokens, 128
+# output tokens: benchmarks/latency.py, and vllm_workloads.py --latency on vLLM's engine loop), each
+# engine once, max_model_len 4,096:
+#   WORKLOADS=latency bash benchmarks/peer_workloads.sh MODEL_DIR
 set -u
 [ $# -eq 1 ] || { echo "usage: bash benchmarks/peer_workloads.sh MODEL_DIR"; exit 2; }
 MODEL=$1
@@ -31,12 +35,25 @@ print("\n".join(json.dumps(s) for s in workloads.sampling_settings(sys.argv[1]))
 
 . benchmarks/peer_env.sh
 
+if [ "$WORKLOADS" = latency ]; then
+  vllm_args=(--latency)
+else
+  vllm_args=(--workload $WORKLOADS --repeat 2 --max-model-len $MAX_MODEL_LEN --sampling-params "$SAMPLING")
+fi
 PYTHONPATH=$VLLM_PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout $(( $(left) < 300 ? $(left) : 300 )) \
-  python3 benchmarks/vllm_workloads.py --model "$MODEL" --workload $WORKLOADS --repeat 2 \
-  --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE --sampling-params "$SAMPLING" \
+  python3 benchmarks/vllm_workloads.py --model "$MODEL" --kv-cache-dtype $KV_CACHE_DTYPE "${vllm_args[@]}" \
   > "$OUT/vllm_workloads.log" 2>&1
 echo "== vllm rc=$? ($(( $(date +%s) - T0 ))s into the run)"
 grep -E "^RESULT|FAILED|Traceback|Error" "$OUT/vllm_workloads.log" | grep -v "_moe_C" | cut -c1-600 | tail -24
+
+if [ "$WORKLOADS" = latency ]; then
+  PYTHONPATH="$OURS_PYTHONPATH" timeout $(( $(left) - 5 )) python3 benchmarks/latency.py --model "$MODEL" \
+    --kv-cache-dtype $KV_CACHE_DTYPE > "$OUT/ours_latency.log" 2>&1
+  echo "== micro-vllm latency rc=$? ($(( $(date +%s) - T0 ))s into the run)"
+  grep -E "^run|Traceback|Error" "$OUT/ours_latency.log" | cut -c1-400
+  echo "run took $(( $(date +%s) - T0 ))s"
+  exit 0
+fi
 
 runs=()
 for workload in $WORKLOADS; do

@@ -17,6 +17,11 @@ throughput.py (temperature 0.6, EOS ignored) and, for each ``--sampling-params``
 throughput.py adds them (a seed: ``seed + i`` for request i). Each run prints ``RESULT {json}`` with
 its output tokens per second and its setting.
 
+``--latency`` times the latency batches instead (``latency.py``'s definition on vLLM's engine loop,
+the same prompts): the batch's requests are added to ``LLMEngine`` at once and its ``step()`` driven;
+a request's first token is timed at the step whose outputs first give it one, its last at the step
+that finishes it. Each batch prints ``RESULT {json}`` with the median TTFT and TPOT over the batch.
+
 A workload with a JSON schema (json-schema) constrains every request to it on vLLM's xgrammar
 backend, as micro-vLLM does, and ends each at EOS. The engine then loads the checkpoint's tokenizer
 (vLLM maps a grammar to token ids with it; outputs are still not detokenized), and the warm-up
@@ -27,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
-from workloads import WORKLOADS, make_workload, request_settings, sampling_settings
+from workloads import (LATENCY_BATCH_SIZES, LATENCY_MAX_MODEL_LEN, LATENCY_OUTPUT_LEN, LATENCY_PROMPT_LEN, WORKLOADS,
+                       latency_prompts, make_workload, request_settings, sampling_settings)
 
 TEMPERATURE = 0.6
 
@@ -60,6 +67,31 @@ def constraint(json_schema: dict | None) -> dict:
     return {"ignore_eos": False, "structured_outputs": StructuredOutputsParams(json=json_schema)}
 
 
+def measure_latency(llm, batch_size: int, prompt_len: int, output_len: int) -> dict:
+    """One latency batch on vLLM's engine loop, timed as latency.py times ours."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
+    first_token, finished = {}, {}
+    start = time.perf_counter()
+    for i, prompt in enumerate(latency_prompts(batch_size, prompt_len)):
+        engine.add_request(f"latency-{batch_size}-{prompt_len}-{i}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        for output in outputs:
+            if output.outputs[0].token_ids:
+                first_token.setdefault(output.request_id, now)
+            if output.finished:
+                finished[output.request_id] = now
+    ttft = [first_token[request_id] for request_id in finished]
+    tpot = [(finished[request_id] - first_token[request_id]) / (output_len - 1) for request_id in finished]
+    return dict(step="vllm_latency", batch_size=batch_size, requests=len(finished), prompt_len=prompt_len,
+                output_len=output_len, ttft_ms=round(1000 * statistics.median(ttft), 2),
+                tpot_ms=round(1000 * statistics.median(tpot), 3))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory")
@@ -70,14 +102,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sampling-params", type=sampling_settings, action="append", metavar="JSON",
                         help="SamplingParams fields added to every request, a JSON object or a list of them: "
                              "each workload runs under each setting (default: temperature alone)")
+    parser.add_argument("--latency", action="store_true",
+                        help="time the latency batches (latency.py's) instead of the workloads")
     args = parser.parse_args(argv)
     settings = [s for group in args.sampling_params or [[{}]] for s in group]
 
     import vllm
     from vllm import LLM, SamplingParams
 
-    workloads = {name: make_workload(name) for name in args.workload}
-    max_model_len = args.max_model_len or max(w.max_model_len for w in workloads.values())
+    workloads = {} if args.latency else {name: make_workload(name) for name in args.workload}
+    if args.max_model_len:
+        max_model_len = args.max_model_len
+    else:
+        max_model_len = LATENCY_MAX_MODEL_LEN if args.latency else max(w.max_model_len for w in workloads.values())
     schemas = [w.json_schema for w in workloads.values() if w.json_schema is not None]
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=0.9,
@@ -91,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
                 max_model_len=max_model_len, kv_cache_dtype=args.kv_cache_dtype,
                 config=engine_config(llm)))
 
+    if args.latency:
+        measure_latency(llm, 1, 16, 8)  # as latency.py warms up
+        for batch_size in LATENCY_BATCH_SIZES:
+            result(measure_latency(llm, batch_size, LATENCY_PROMPT_LEN, LATENCY_OUTPUT_LEN))
     for setting in settings:
         for name, workload in workloads.items():
             inputs = [{"prompt_token_ids": prompt} for prompt in workload.prompts]

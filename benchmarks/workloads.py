@@ -17,6 +17,9 @@ output tokens are exactly ``sum(max_tokens)``. Token ids are drawn from 0..10,00
 - ``json-schema``: the recipe's prompts, each answered by one JSON object of ``PRODUCT_SCHEMA``
   (structured output: xgrammar's token bitmask each step); it ends where the object does (``json_schema``).
 
+The latency batches (``latency_prompts``, ``latency.py`` and ``vllm_workloads.py --latency``) are
+not a throughput workload: 1, 8 and 64 prompts of 512 random tokens, arriving at once.
+
 Both engines also take the same sampling settings (``--sampling-params``): fields of SamplingParams,
 which both engines name alike, added to every request's (``request_settings``).
 """
@@ -111,6 +114,19 @@ def json_schema(num_requests: int = 256, seed: int = 0, max_tokens: int = 1024) 
 
 WORKLOADS = {"recipe": recipe, "shared-prefix": shared_prefix, "long-context": long_context,
              "long-context-prefill": long_context_prefill, "json-schema": json_schema}
+
+
+LATENCY_BATCH_SIZES = (1, 8, 64)
+LATENCY_PROMPT_LEN, LATENCY_OUTPUT_LEN = 512, 128
+LATENCY_MAX_MODEL_LEN = 4096  # the engine's, on both sides
+
+
+def latency_prompts(batch_size: int, prompt_len: int, run: int = 0,
+                    max_token_id: int = MAX_TOKEN_ID) -> list[list[int]]:
+    """A latency batch's prompts: its own for each batch size and run (so no run finds another's in the
+    prefix cache), ids up to ``max_token_id`` (a small test model's vocabulary may end before 10,000)."""
+    rng = random.Random(batch_size if run == 0 else f"{batch_size}-{run}")
+    return [[rng.randint(0, max_token_id) for _ in range(prompt_len)] for _ in range(batch_size)]
 
 
 def make_workload(name: str, num_requests: int | None = None) -> Workload:

@@ -313,9 +313,34 @@ def fake_vllm(monkeypatch) -> list:
 
     calls = []
 
+    class FakeEngine:
+        """vLLM's LLMEngine loop: each step gives every unfinished request one more token."""
+
+        def __init__(self):
+            self.unfinished = {}
+
+        def add_request(self, request_id, prompt, params):
+            calls.append(("add", request_id, prompt["prompt_token_ids"], params))
+            self.unfinished[request_id] = (params.max_tokens, [])
+
+        def has_unfinished_requests(self):
+            return bool(self.unfinished)
+
+        def step(self):
+            outputs = []
+            for request_id, (max_tokens, token_ids) in list(self.unfinished.items()):
+                token_ids.append(0)
+                finished = len(token_ids) == max_tokens
+                if finished:
+                    del self.unfinished[request_id]
+                outputs.append(types.SimpleNamespace(request_id=request_id, finished=finished,
+                                                     outputs=[types.SimpleNamespace(token_ids=list(token_ids))]))
+            return outputs
+
     class FakeLLM:
         def __init__(self, **kwargs):
             calls.append(("init", kwargs))
+            self.llm_engine = FakeEngine()
 
         def reset_prefix_cache(self):
             calls.append(("reset",))
@@ -398,6 +423,39 @@ def test_vllm_workloads_runs_each_sampling_setting_as_throughput_does(monkeypatc
             workloads.sampling_settings(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="runs one"):
         throughput.json_object(json.dumps([top_p, seeded]))
+
+
+def test_vllm_workloads_times_the_latency_batches_on_the_prompts_latency_py_takes(monkeypatch, capsys, tmp_path):
+    """``--latency``: after latency.py's warm-up batch, batches of 1, 8 and 64 of latency.py's own
+    prompts, greedy, 128 tokens each, added to vLLM's engine at once; a RESULT line per batch with the
+    median TTFT and TPOT over all of its requests. latency.py draws the same prompts for micro-vLLM."""
+    import json
+
+    import latency
+    import vllm_workloads
+    import workloads
+
+    calls = fake_vllm(monkeypatch)
+    vllm_workloads.main(["--model", "/m", "--latency"])
+    assert calls[0][1]["max_model_len"] == workloads.LATENCY_MAX_MODEL_LEN == 4096
+    added = [c for c in calls if c[0] == "add"]
+    batches = ((1, 16), (1, 512), (8, 512), (64, 512))  # the warm-up, then the timed ones
+    expected = [prompt for size, length in batches for prompt in workloads.latency_prompts(size, length)]
+    assert [prompt for _, _, prompt, _ in added] == expected
+    timed = [params for _, _, prompt, params in added if len(prompt) == 512]
+    assert all((p.temperature, p.max_tokens, p.ignore_eos, p.detokenize) == (0, 128, True, False) for p in timed)
+    assert not [c for c in calls if c[0] == "generate" and len(c[1]) > 1]  # no throughput workload ran
+    results = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()]
+    timed_batches = [r for r in results if r["step"] == "vllm_latency"]
+    assert [(r["batch_size"], r["requests"]) for r in timed_batches] == [(1, 1), (8, 8), (64, 64)]
+    assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in timed_batches)
+
+    llm = LLM(model=str(make_tiny_model("qwen3", tmp_path)), device="cpu", max_model_len=128)
+    made = []
+    make_request = llm.engine.make_request
+    monkeypatch.setattr(llm.engine, "make_request", lambda *args: made.append(args[1]) or make_request(*args))
+    latency.measure(llm, batch_size=2, prompt_len=12, output_len=3)
+    assert made == workloads.latency_prompts(2, 12, max_token_id=min(10_000, llm.engine.vocab_size - 1))
 
 
 def test_vllm_workloads_constrains_the_json_schema_workload_as_throughput_does(monkeypatch, capsys):
