@@ -690,3 +690,32 @@ def test_peer_serving_checks_its_engines_and_the_checkpoint_before_starting_a_se
                          text=True, env={**env, "ENGINES": "ours"})
     assert run.returncode == 3 and f"no checkpoint in {tmp_path}" in run.stdout, run.stdout + run.stderr
     assert list((tmp_path / "out").iterdir()) == []
+
+
+
+def test_output_bench_streams_a_delta_to_every_request_each_step(monkeypatch):
+    """output_bench's requests stream deltas: each step gives every request one output with its one
+    new token and that token's word, none stopped; a step without new tokens gives none."""
+    import tempfile
+
+    import output_bench
+    from bench_model import save_word_tokenizer
+    from transformers import AutoTokenizer
+
+    from micro_vllm.engine.output_processor import OutputProcessor
+
+    with tempfile.TemporaryDirectory() as directory:
+        save_word_tokenizer(Path(directory), output_bench.VOCAB_SIZE)
+        processor = OutputProcessor(AutoTokenizer.from_pretrained(directory))
+    requests = output_bench.streaming_requests(processor, num_requests=3, max_tokens=8)
+    steps = []
+    process_step = processor.process_step
+    monkeypatch.setattr(processor, "process_step", lambda ids: steps.append(process_step(ids)) or steps[-1])
+    assert len(output_bench.time_steps(processor, requests, num_steps=2)) == 2
+    for step, (outputs, _) in enumerate(steps):
+        assert [output.request_id for output in outputs] == [request.request_id for request in requests]
+        for output, request in zip(outputs, requests):
+            token_id = request.output_token_ids[step]
+            (completion,) = output.outputs
+            assert (completion.token_ids, completion.text.strip()) == ([token_id], f"t{token_id}")
+    assert process_step([r.request_id for r in requests]) == ([], [])

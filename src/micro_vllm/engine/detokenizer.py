@@ -86,8 +86,11 @@ class IncrementalDetokenizer:
         self.stop_buffer_length = max(map(len, stop)) - 1 if stop and not include_stop_str_in_output else 0
 
         self.token_ids: list[int] = []  # the output's token ids (all of them, also past a stop string)
-        self.output_text = ""
-        self._last_output_text_offset = 0  # how much of output_text the deltas have given out
+        # The text as the steps gave it, joined only when read whole (``output_text``): extending one
+        # string would copy all of it at every step, a cost that grows with the output.
+        self._parts: list[str] = []
+        self._length = 0  # characters in the parts
+        self._last_output_text_offset = 0  # how much of the text the deltas have given out
         if not self.detokenize:
             return
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -107,6 +110,13 @@ class IncrementalDetokenizer:
     def output_token_ids(self) -> list[int]:
         return self.token_ids
 
+    @property
+    def output_text(self) -> str:
+        """The whole text so far (joined once, then kept as one part)."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
         """Appends the new tokens and their text; returns the stop string that ended it, if any."""
         self.token_ids.extend(new_token_ids)
@@ -118,24 +128,48 @@ class IncrementalDetokenizer:
         # The text of the first min_tokens tokens cannot end a stop string (vLLM's rule).
         num_held = min(max(self.min_tokens - (len(self.token_ids) - len(new_token_ids)), 0), len(text_token_ids))
         texts = [self._decode_next(token_id) for token_id in text_token_ids]
-        self.output_text += "".join(texts[:num_held])
-        length_before = len(self.output_text)
-        self.output_text += "".join(texts[num_held:])
+        if num_held:
+            self._append("".join(texts[:num_held]))
+        new = "".join(texts[num_held:])
+        self._append(new)
         if stop_terminated or not self.stop:
             return None
-        return self._check_stop_strings(len(self.output_text) - length_before)
+        return self._check_stop_strings(len(new))
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text so far, or with ``delta`` what is new since the last call; a finished sequence's
         text is given whole, an unfinished one's less the characters a stop string could still claim."""
-        end = max(0, len(self.output_text) - (0 if finished else self.stop_buffer_length))
+        end = max(0, self._length - (0 if finished else self.stop_buffer_length))
         if not delta:
             return self.output_text[:end]
         start = self._last_output_text_offset
         if end <= start:
             return ""
         self._last_output_text_offset = end
-        return self.output_text[start:end]
+        return self._text_between(start, end)
+
+    def _append(self, text: str) -> None:
+        if text:
+            self._parts.append(text)
+            self._length += len(text)
+
+    def _text_between(self, start: int, end: int) -> str:
+        """``output_text[start:end]`` from the parts it spans, found from the last one back (a step's
+        new text is in the last few)."""
+        if start >= end:
+            return ""
+        last_start = self._length - len(self._parts[-1])
+        if start >= last_start:  # within the last part, as a delta of one step's text is
+            return self._parts[-1][start - last_start:end - last_start]
+        pieces, part_end = [], self._length
+        for part in reversed(self._parts):
+            part_start = part_end - len(part)
+            if part_start < end:
+                pieces.append(part[max(start - part_start, 0):end - part_start])
+            if part_start <= start:
+                break
+            part_end = part_start
+        return "".join(reversed(pieces))
 
     def _decode_next(self, token_id: int) -> str:
         """The text ``token_id`` adds: none while a character is incomplete, then all held back."""
@@ -144,18 +178,23 @@ class IncrementalDetokenizer:
         return self._stream.step(self._tokenizer, token_id) or ""
 
     def _check_stop_strings(self, num_new_chars: int) -> str | None:
-        """Cuts ``output_text`` at the stop string that ends first in the new text; returns it."""
-        text = self.output_text
-        first: tuple[int, str] | None = None  # (end, stop string)
+        """Cuts the text at the stop string that ends first in the new text; returns it."""
+        if not num_new_chars:
+            return None
+        # Only a match that ends in the new text is new; it may start in the older text, at most the
+        # longest stop string's length before it.
+        offset = max(0, self._length - num_new_chars - max(map(len, self.stop)) + 1)
+        text = self._text_between(offset, self._length)
+        first: tuple[int, str] | None = None  # (end in ``text``, stop string)
         for stop in self.stop:
-            # Only a match that ends in the new text is new; it may start in the older text.
             start = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
             if start != -1 and (first is None or start + len(stop) < first[0]):
                 first = (start + len(stop), stop)
         if first is None:
             return None
         end, stop = first
-        self.output_text = text[:end] if self.include_stop_str_in_output else text[:end - len(stop)]
+        cut = offset + (end if self.include_stop_str_in_output else end - len(stop))
+        self._parts, self._length = [self.output_text[:cut]], cut
         return stop
 
 
