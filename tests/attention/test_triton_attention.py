@@ -371,21 +371,28 @@ def test_head_size_not_a_power_of_two(rng: random.Random, monkeypatch, head_size
     check_write_and_attend(decodes, None)
 
 
-@pytest.mark.parametrize("tiles", ["small", "default"])  # default: the fp8 cache's own prefill tiles
+@pytest.mark.parametrize("tiles", ["small", "default", "long"])  # default: the fp8 cache's own prefill tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_kv_cache_matches_reference(rng: random.Random, monkeypatch, dtype: torch.dtype, tiles: str) -> None:
     """A cache of float8 e4m3 (kv_cache_dtype="fp8") under fp32 and bf16 queries: a mixed step with
-    a window, then a decode step, each storing fresh K/V (the write kernel, then the attention
-    launch's own store) as the reference stores them, and attending over the rounded values as the
-    reference does."""
+    a window, then a decode step, each storing fresh K/V (the write kernel, which also rounds the
+    step's rows the prefill tiles read back, then the attention launch's own store) as the reference
+    stores them, and attending over the rounded values as the reference does; "long" takes the
+    long-prefill tiles, the rows of a bf16 model through TMA."""
     if tiles == "small":
         use_small_tiles(monkeypatch)
+    if tiles == "long":
+        monkeypatch.setattr(triton_attn, "_LONG_QUERY", 2)
     shape = dict(num_heads=4, num_kv_heads=2, head_size=32, block_size=16, dtype=dtype,
                  kv_cache_dtype=torch.float8_e4m3fn)
     mixed = make_batch(rng, random_requests(rng, 2, 2, max_context=40, max_chunk=12), sliding_window=6,
                        num_pad_tokens=1, **shape)
     check_against_reference(mixed, 6)
     check_write_and_attend(mixed, 6)
+    if tiles == "long":
+        metadata = triton_metadata(mixed, 6)
+        assert metadata.tiles.block_m >= 128 and metadata.kv_from_step
+        assert metadata.tiles.step_kv_tma == (dtype != torch.float32)
     decodes = make_batch(rng, [(1, rng.randint(0, 50)) for _ in range(3)], num_pad_tokens=1, **shape)
     check_write_and_attend(decodes, None)
 
