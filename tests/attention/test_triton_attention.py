@@ -385,8 +385,10 @@ def test_fp8_kv_cache_matches_reference(rng: random.Random, monkeypatch, dtype: 
         monkeypatch.setattr(triton_attn, "_LONG_QUERY", 2)
     shape = dict(num_heads=4, num_kv_heads=2, head_size=32, block_size=16, dtype=dtype,
                  kv_cache_dtype=torch.float8_e4m3fn)
-    mixed = make_batch(rng, random_requests(rng, 2, 2, max_context=40, max_chunk=12), sliding_window=6,
-                       num_pad_tokens=1, **shape)
+    requests = random_requests(rng, 2, 2, max_context=40, max_chunk=12)
+    if tiles == "long":  # a chunk taller than the decode tiles, so that the step takes the long ones
+        requests.append((17, rng.randint(0, 40)))
+    mixed = make_batch(rng, requests, sliding_window=6, num_pad_tokens=1, **shape)
     check_against_reference(mixed, 6)
     check_write_and_attend(mixed, 6)
     if tiles == "long":
