@@ -11,7 +11,6 @@ shapes stay tiny; the GPU class uses real sizes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 
 import numpy as np
@@ -561,24 +560,31 @@ class TestOnGpu:
             assert torch.equal(graph_out[:n], eager[:n])
             torch.testing.assert_close(graph_out[:n].float(), expected[:n].float(), atol=3e-2, rtol=3e-2)
 
+    @pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
     @pytest.mark.parametrize("window", [None, 1000])
-    def test_long_prompts_read_their_rows_by_tma(self, rng: random.Random, window) -> None:
+    def test_long_prompts_read_their_rows_by_tma(self, rng: random.Random, window, kv_cache_dtype) -> None:
         """The long-prefill tiles at the benchmark's heads: a prompt past _LONG_QUERY, one after
-        cached context and decodes beside them. The step's own K/V come through tensor descriptors,
-        eagerly and replayed from a CUDA graph (whose capture allocates the descriptors' memory)."""
+        cached context and decodes beside them. The step's own K/V come through tensor descriptors
+        (an fp8 cache's as its write launch rounded them), eagerly and replayed from a CUDA graph
+        (whose capture allocates the descriptors' memory)."""
         long = triton_attn._LONG_QUERY
         requests = [(long + rng.randint(1, 300), 0), (rng.randint(500, 1500), rng.randint(100, 2000))]
         requests += [(1, rng.randint(1, 3000)) for _ in range(8)]
         batch = make_batch(rng, requests, num_heads=16, num_kv_heads=8, head_size=128, block_size=16,
-                           dtype=torch.bfloat16, sliding_window=window, num_pad_tokens=3)
+                           dtype=torch.bfloat16, sliding_window=window, num_pad_tokens=3,
+                           kv_cache_dtype=kv_cache_dtype)
         metadata = triton_metadata(batch, window)
         assert metadata.tiles.step_kv_tma
         check_write_and_attend(batch, window)
 
         backend, n = get_backend_cls("triton")(), batch.metadata.common.num_actual_tokens
         key, value = torch.randn(2, batch.query.shape[0], 8, 128, device="cuda", dtype=torch.bfloat16)
-        attend = functools.partial(backend.write_and_attend, batch.query, key, value, batch.kv_cache.clone(),
-                                   metadata, scale=128**-0.5, sliding_window=window)
+        cache = batch.kv_cache.clone()
+
+        def attend() -> torch.Tensor:  # fresh rows each call, as each step's projections make them
+            return backend.write_and_attend(batch.query, key.clone(), value.clone(), cache, metadata,
+                                            scale=128**-0.5, sliding_window=window)
+
         eager = attend()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
