@@ -82,15 +82,20 @@ def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMeta
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """Repetition, then frequency and presence penalties (vLLM's, after OpenAI's definition), on
-    every row of ``logits``, as a new float32 tensor; a row with 0, 0 and 1 keeps its values."""
-    logits = logits.float()
+    every row of ``logits``, as a new float32 tensor; a row with 0, 0 and 1 keeps its values.
+
+    Only the tokens a row has seen, in its output or its prompt, change: they are computed alone
+    (a few thousand a row), not the whole vocabulary of every row of the batch. Finding them waits
+    for the device, which on CUDA the default route does not: there the Triton pass
+    (``triton_penalties``) runs instead."""
+    out = logits.to(torch.float32, copy=True)
     counts = penalties.output_token_counts[: len(logits)]
-    in_output = counts > 0
-    repetition = penalties.repetition.unsqueeze(-1)
-    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
-    penalized = torch.where(in_output | penalties.prompt_token_mask[: len(logits)], repeated, logits)
-    penalized = penalized - penalties.frequency.unsqueeze(-1) * counts
-    return penalized - penalties.presence.unsqueeze(-1) * in_output
+    rows, tokens = ((counts > 0) | penalties.prompt_token_mask[: len(logits)]).nonzero(as_tuple=True)
+    seen, count = out[rows, tokens], counts[rows, tokens]
+    repetition = penalties.repetition[rows]
+    seen = torch.where(seen > 0, seen / repetition, seen * repetition)
+    out[rows, tokens] = seen - penalties.frequency[rows] * count - penalties.presence[rows] * (count > 0)
+    return out
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

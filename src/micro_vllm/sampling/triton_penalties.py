@@ -1,8 +1,7 @@
 """The repetition, frequency and presence penalties on CUDA in one Triton pass over the logits.
 
-``logits_processors.apply_penalties`` defines them in PyTorch: a dozen operations over the batch's
-whole vocabulary (the fp32 copy, each term, the counts and prompt masks read in full). Here one program
-per (row, block of tokens) reads the row's logits in their own dtype and writes the penalized ones in
+``logits_processors.apply_penalties`` defines them in PyTorch, on the tokens each row has seen, found
+by ``nonzero`` (which waits for the device). Here one program per (row, block of tokens) reads the row's logits in their own dtype and writes the penalized ones in
 float32 to a new tensor: the copy the processors need anyway. A row without penalties (0, 0, 1) is
 only copied; the others read their output-token counts and prompt mask once, with the definition's
 operations in its order: a correctly rounded division, and no fused multiply-add (the launch turns fp
