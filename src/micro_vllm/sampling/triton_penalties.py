@@ -1,11 +1,12 @@
 """The repetition, frequency and presence penalties on CUDA in one Triton pass over the logits.
 
 ``logits_processors.apply_penalties`` defines them in PyTorch, on the tokens each row has seen, found
-by ``nonzero`` (which waits for the device). Here one program per (row, block of tokens) reads the row's logits in their own dtype and writes the penalized ones in
-float32 to a new tensor: the copy the processors need anyway. A row without penalties (0, 0, 1) is
-only copied; the others read their output-token counts and prompt mask once, with the definition's
-operations in its order: a correctly rounded division, and no fused multiply-add (the launch turns fp
-fusion off), so the results equal PyTorch's bit for bit.
+by ``nonzero`` (which waits for the device). Here one program per (row, block of tokens) reads the
+row's logits in their own dtype and writes the penalized ones in float32 to a new tensor: the copy the
+processors need anyway. A row without penalties (0, 0, 1) is only copied; the others read their
+output-token counts and prompt mask once, with the definition's operations in its order: a correctly
+rounded division, and no fused multiply-add (the launch turns fp fusion off), so the results equal
+PyTorch's bit for bit (but for the sign of a zero logit that a negative penalty leaves unchanged).
 """
 
 from __future__ import annotations
