@@ -71,6 +71,27 @@ def test_random_rows_follow_the_softmax():
     assert_follows(torch.bincount(tokens, minlength=vocab).double(), row, temperature)
 
 
+def test_the_pytorch_route_follows_the_softmax_and_never_draws_minus_inf():
+    """The Sampler's PyTorch route (the exponential race, its noise drawn as -log(U)): 4,000 rows of
+    12 tokens at temperature 0.7, one of them -inf, follow softmax(logits / 0.7); over 1,000 equally
+    likely tokens a row with a seeded generator draws the same token from the same seed, and the same
+    token whatever its batch, while the unseeded row beside it draws anew."""
+    vocab, draws, temperature = 12, 4000, 0.7
+    row = torch.linspace(-4.0, 4.0, vocab)
+    row[3] = float("-inf")
+    sampler = Sampler(False, seed=0)
+    metadata = SamplingMetadata(torch.full((draws,), temperature), None, None, all_greedy=False, all_random=True)
+    tokens = sampler(row.repeat(draws, 1), metadata).sampled_token_ids
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[3] == 0
+    assert_follows(counts, row, temperature)
+    flat, ones = torch.zeros(3, 1000), SamplingMetadata(torch.ones(3), None, None, all_greedy=False, all_random=True)
+    draws = [sampler(flat[:n], sampler.add_row_seeds(replace(ones, temperature=torch.ones(n)), {n - 1: 5}))
+             .sampled_token_ids.tolist() for n in (2, 2, 3)]
+    assert draws[0][1] == draws[1][1] == draws[2][2]
+    assert len({draws[0][0], draws[1][0], draws[2][0], draws[2][1]}) > 1
+
+
 def test_the_chunk_is_drawn_by_its_softmax_mass(monkeypatch):
     """Four chunks of 4 tokens, read 2 at a time, at temperature 0.4: the row's highest token is alone
     in chunk 0 (31% of the mass), four lower ones share chunk 1 (59%), chunk 2 holds the rest and
