@@ -84,14 +84,22 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(chat_texts(tokenizer, [prompt])[0]).input_ids
 
 
+# Each of OTHERS' prompts -> whether a whole output matches its constraint.
+OTHER_CHECKS = {
+    "Give a phone number.": lambda text: re.fullmatch(PHONE, text),
+    "Name a city.": lambda text: re.fullmatch(CITY, text),
+    "What is the capital of France?": lambda text: text in CAPITALS,
+    "I love this film! Sentiment?": lambda text: text in SENTIMENTS,
+    "Write a sum of two numbers.": lambda text: re.fullmatch(SUM_REGEX, text),
+    'Reply with {"ok": true} and nothing else.': lambda text: isinstance(json.loads(text), dict),
+}
+
+
 def check_others(outputs: dict[str, str]) -> None:
-    """The outputs of OTHERS' prompts match their constraints."""
-    assert re.fullmatch(PHONE, outputs["Give a phone number."])
-    assert re.fullmatch(CITY, outputs["Name a city."])
-    assert outputs["What is the capital of France?"] in CAPITALS
-    assert outputs["I love this film! Sentiment?"] in SENTIMENTS
-    assert re.fullmatch(SUM_REGEX, outputs["Write a sum of two numbers."])
-    assert isinstance(json.loads(outputs['Reply with {"ok": true} and nothing else.']), dict)
+    """The outputs of OTHERS' prompts given match their constraints."""
+    for prompt, matches in OTHER_CHECKS.items():
+        if prompt in outputs:
+            assert matches(outputs[prompt]), (prompt, outputs[prompt])
 
 
 def check_all(outputs: dict[str, str]) -> None:
