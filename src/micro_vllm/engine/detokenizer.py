@@ -154,22 +154,13 @@ class IncrementalDetokenizer:
             self._length += len(text)
 
     def _text_between(self, start: int, end: int) -> str:
-        """``output_text[start:end]`` from the parts it spans, found from the last one back (a step's
-        new text is in the last few)."""
-        if start >= end:
-            return ""
-        last_start = self._length - len(self._parts[-1])
-        if start >= last_start:  # within the last part, as a delta of one step's text is
-            return self._parts[-1][start - last_start:end - last_start]
-        pieces, part_end = [], self._length
-        for part in reversed(self._parts):
-            part_start = part_end - len(part)
-            if part_start < end:
-                pieces.append(part[max(start - part_start, 0):end - part_start])
-            if part_start <= start:
-                break
-            part_end = part_start
-        return "".join(reversed(pieces))
+        """``output_text[start:end]``, joined from the last parts back to the one holding ``start`` (a
+        step's new text is in the last one or few)."""
+        index, part_start = len(self._parts), self._length
+        while part_start > start:
+            index -= 1
+            part_start -= len(self._parts[index])
+        return "".join(self._parts[index:])[start - part_start:end - part_start]
 
     def _decode_next(self, token_id: int) -> str:
         """The text ``token_id`` adds: none while a character is incomplete, then all held back."""
