@@ -85,7 +85,8 @@ def make_step(query_lens: list[int], context_lens: list[int], device: str, dtype
     )
     query, kv_cache, new_kv = query.to(device), kv_cache.to(device), new_kv.to(device)
     if max(query_lens) > 1:  # the rows as the write launch leaves them (an fp8 cache's rounded), timed without it
-        triton_attn.TritonBackend().write_kv(*new_kv, kv_cache, common.slot_mapping, round_rows=True)
+        triton_attn.TritonBackend().write_kv(*new_kv, kv_cache, common.slot_mapping,
+                                             round_rows=kv_cache.element_size() == 1)
     return query, kv_cache, common, new_kv
 
 

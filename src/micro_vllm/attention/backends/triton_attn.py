@@ -123,6 +123,10 @@ def _write_kv_kernel(
     ROUND_ROWS: tl.constexpr,  # also overwrite the rows with what the cache holds (_step_rows)
 ):
     token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if not ROUND_ROWS:
+        if slot < 0:  # a padding token: nothing to store
+            return
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & _dim_mask(HEAD_SIZE, HEAD_PAD)[None, :]
@@ -134,8 +138,7 @@ def _write_kv_kernel(
         key_rows, value_rows = _step_rows(key_ptr, k_cache_ptr), _step_rows(value_ptr, v_cache_ptr)
         tl.store(key_rows + k_row, k.to(key_rows.dtype.element_ty), mask=mask)
         tl.store(value_rows + v_row, v.to(value_rows.dtype.element_ty), mask=mask)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:  # padding token: nothing to store
+    if slot < 0:  # a padding token, its rows rounded above: nothing to store
         return
     dst = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_tok
     dst += heads * cache_stride_head + dims
@@ -636,6 +639,8 @@ class TritonAttentionMetadata(AttentionMetadata):
     num_splits: int  # programs per (request, KV head); more than 1: flash decoding, then the merge
     write_kv_in_launch: bool  # a decode step: the attention launch stores the step's K/V (no write launch)
     kv_from_step: bool  # the step's own keys come from its K/V rows, not back through the pages
+    # kv_from_step with an fp8 cache: the write launch first rounds the rows to the cache's values (_step_rows)
+    round_step_rows: bool
     # int32 [num_reqs], decode steps only: the order in which the kernel starts the requests' programs
     # (longest context first, so the long programs do not finish last); None: request order.
     decode_order: torch.Tensor | None = None
@@ -694,14 +699,16 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
                 f"a step of {num_tokens} tokens needs {num_query_blocks} query blocks; at most {_MAX_GRID_Y} fit a grid"
             )
         decodes = one_qblock and common.num_actual_tokens == num_reqs
+        # The decode tiles take no second key loop: it would get pipeline buffers of its own,
+        # doubling their shared memory (fp32 heads of 128 then overflow an H200 block).
+        kv_from_step = self.kv_from_step and not one_qblock
         return TritonAttentionMetadata(
             common, shape, tiles,
             num_query_blocks=num_query_blocks if num_reqs and num_tokens else 0,  # 0: no launch
             num_splits=_num_splits(self.device, num_reqs, shape.num_kv_heads, max_query_len),
             write_kv_in_launch=max_query_len == 1,
-            # The decode tiles take no second key loop: it would get pipeline buffers of its own,
-            # doubling their shared memory (fp32 heads of 128 then overflow an H200 block).
-            kv_from_step=self.kv_from_step and not one_qblock,
+            kv_from_step=kv_from_step,
+            round_step_rows=kv_from_step and self.fp8_cache,
             decode_order=self._decode_order(common) if decodes else None,
         )
 
@@ -737,8 +744,8 @@ class TritonBackend(AttentionBackend):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
         round_rows: bool = False,
     ) -> None:
-        """Store the step's K/V; with ``round_rows`` (``write_and_attend``'s, for an fp8 cache whose
-        step is read back from its rows) also overwrite ``key`` and ``value`` with what the cache
+        """Store the step's K/V; with ``round_rows`` (the metadata's ``round_step_rows``: an fp8 cache
+        whose step is read back from its rows) also overwrite ``key`` and ``value`` with what the cache
         holds, in the dtype the attention kernel reads them in (_step_rows)."""
         num_tokens = slot_mapping.shape[0]
         if num_tokens == 0:
@@ -763,7 +770,7 @@ class TritonBackend(AttentionBackend):
             HEAD_SIZE=head_size,
             HEAD_PAD=_head_pad(head_size),
             BLOCK_SIZE=block_size,
-            ROUND_ROWS=round_rows and kv_cache.dtype.itemsize == 1,
+            ROUND_ROWS=round_rows,
         )
 
     def forward(
@@ -779,7 +786,7 @@ class TritonBackend(AttentionBackend):
         ``write_and_attend``; the tests hold this to the reference): the step's launch with every
         key read through the pages."""
         through_pages = dataclasses.replace(metadata, tiles=metadata.tiles._replace(step_kv_tma=False),
-                                            write_kv_in_launch=False, kv_from_step=False)
+                                            write_kv_in_launch=False, kv_from_step=False, round_step_rows=False)
         # The launch reads no K/V rows: the query stands in for them.
         return self._attend(query, query, query, kv_cache, through_pages, scale, sliding_window)
 
@@ -791,7 +798,7 @@ class TritonBackend(AttentionBackend):
         queries write first, for the steps after them, then attend with this step's rows at hand
         (the builder's ``kv_from_step`` says whether their keys are read from them)."""
         if not metadata.write_kv_in_launch:
-            self.write_kv(key, value, kv_cache, metadata.common.slot_mapping, round_rows=metadata.kv_from_step)
+            self.write_kv(key, value, kv_cache, metadata.common.slot_mapping, round_rows=metadata.round_step_rows)
         return self._attend(query, key, value, kv_cache, metadata, scale, sliding_window)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
