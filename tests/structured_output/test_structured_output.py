@@ -361,6 +361,25 @@ def test_structured_outputs_is_refused_before_any_work(tmp_path):
         assert llm.engine.structured_output_manager is None
 
 
+def test_structured_outputs_needs_an_eos_token(tmp_path, tokenizer):
+    """A model without any EOS id (none in its configs or tokenizer) refuses constraints before
+    anything is queued, naming why: a grammar's output ends only at an EOS token. The manager refuses
+    an empty set of stop ids itself."""
+    model = make_tiny_model("llama", tmp_path, eos_token_id=None)
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    del tokenizer_config["eos_token"]
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with LLM(model=str(model), device="cpu", max_model_len=32) as llm:
+        assert not llm.engine.eos_token_ids
+        params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+        with pytest.raises(ValueError, match=r"structured_outputs=.* is not allowed: this model has no EOS token id"):
+            llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2), params], use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests() and llm.engine.structured_output_manager is None
+        assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match=r"stop_token_ids=\[\] is not allowed"):
+        StructuredOutputManager(tokenizer, len(tokenizer), max_num_seqs=1, stop_token_ids=[])
+
+
 @pytest.mark.real_model
 def test_each_sequence_of_an_n_request_follows_its_own_grammar(llm):
     """n > 1 under a schema: every sequence validates, and sequence i is the prompt as a request of its

@@ -72,7 +72,7 @@ def run_engine_core(config: LLMConfig, conn: Connection) -> None:
     except BaseException as error:  # noqa: BLE001 - the caller of AsyncLLM() gets it
         conn.send(("dead", _picklable(error)))
         return
-    if engine.tokenizer is not None:
+    if engine.tokenizer is not None and engine.eos_token_ids:  # else make_request refuses every constraint
         _load_structured_output(engine)
     try:
         conn.send(("ready", engine.max_model_len, engine.vocab_size))

@@ -127,6 +127,10 @@ class LLMEngine:
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError(f"structured_outputs={params.structured_outputs!r} is not allowed: this model has no "
                              "tokenizer to map the constraint to token ids")
+        if params.structured_outputs is not None and not self.eos_token_ids:
+            raise ValueError(f"structured_outputs={params.structured_outputs!r} is not allowed: this model has no EOS "
+                             "token id to end a constrained output (generation_config.json, config.json and the "
+                             "tokenizer give none)")
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else ()
         self._check_vocabulary("bad_words", [t for word in bad_words for t in word])
         request = Request(request_id, token_ids, params, self.eos_token_ids, bad_words_token_ids=bad_words)
