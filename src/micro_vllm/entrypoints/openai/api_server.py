@@ -20,6 +20,7 @@ vLLM's API server exits so that its supervisor (systemd, Kubernetes...) starts a
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 from collections.abc import AsyncIterator, Coroutine
@@ -43,6 +44,7 @@ from micro_vllm.entrypoints.openai.protocol import ErrorResponse, OpenAIError, e
 from micro_vllm.entrypoints.openai.serving import OpenAIServing
 from micro_vllm.entrypoints.openai.tool_parsers import ToolParserManager
 from micro_vllm.metrics.loggers import PrometheusStatLogger
+from micro_vllm.utils import heap_frozen
 from micro_vllm.validation import check_int, check_optional_int
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,13 @@ def build_app(engine: AsyncLLM | DataParallelAsyncLLM, served_model_names: list[
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
+        # While it serves, the objects of its start-up (torch's and transformers' modules, the
+        # tokenizer, the app) stay out of the collector's scans: the requests' objects set off full
+        # collections, and a scan of them all would stall every stream (vLLM's API server freezes its
+        # heap too).
+        gc.collect()
+        with heap_frozen():
+            yield
         serving.shutdown()
         engine.shutdown()
 
