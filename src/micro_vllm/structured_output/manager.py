@@ -78,12 +78,11 @@ class StructuredOutputManager:
     ) -> None:
         self.vocab_size = check_int("vocab_size", vocab_size, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
-        if stop_token_ids is not None and not stop_token_ids:
-            raise ValueError(f"stop_token_ids={stop_token_ids!r} is not allowed: a grammar's output ends only at one "
-                             "of them; give at least one id, or None for the tokenizer's")
-        tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=None if stop_token_ids is None else sorted(stop_token_ids)
-        )
+        stop_ids = None if stop_token_ids is None else sorted(stop_token_ids)
+        if stop_ids == []:
+            raise ValueError("stop_token_ids=[] is not allowed: a grammar's output ends only at one of them; give at "
+                             "least one id, or None for the tokenizer's")
+        tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=_XGRAMMAR_THREADS,
                                             cache_limit_bytes=_COMPILER_CACHE_BYTES)
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
