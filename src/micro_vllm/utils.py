@@ -1,5 +1,6 @@
-"""Where vLLM users import ``FlexibleArgumentParser`` from (``vllm.utils``); and two helpers for
-signals and processes: ``sigint_held_back``, for the few calls a Ctrl-C must not split, and
+"""Where vLLM users import ``FlexibleArgumentParser`` from (``vllm.utils``); and helpers for signals
+and processes: ``sigint_held_back``, for the few calls a Ctrl-C must not split; ``freeze_start_up_heap``
+and ``heap_frozen``, which keep long-lived objects out of the garbage collector's scans; and
 ``exit_with_parent``, for a process that must not outlive the one that started it."""
 
 from __future__ import annotations
@@ -52,6 +53,18 @@ def sigint_held_back() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
     if received:
         signal.raise_signal(signal.SIGINT)  # to the program's own handler: a KeyboardInterrupt by default
+
+
+def freeze_start_up_heap() -> None:
+    """Move every object that exists now out of the garbage collector's generations, for the rest of
+    the process: for a process that is the engine's or a rank's, once its start-up is done. Start-up
+    made most of what the process will ever hold (the model's modules, the tokenizer, compiled
+    kernels, CUDA graphs), and each full collection that the steps' own objects set off would scan
+    it all, stalling a step for as long as that takes; with ranks in collectives, every rank waits
+    for the one stalled (vLLM freezes its heap after warm-up too). The objects are still freed by
+    reference counting. A process that is not ours only for a while uses ``heap_frozen``."""
+    gc.collect()
+    gc.freeze()
 
 
 @contextmanager

@@ -12,12 +12,14 @@ The tests that share ``mp_llm`` run in file order: the last of them kills its wo
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -113,3 +115,20 @@ def test_a_worker_never_outlives_its_parent(model_dir, tmp_path):
         time.sleep(0.1)
     assert not process_running(worker_pid)
 
+
+
+def test_a_worker_process_freezes_its_heap_once_started():
+    """A rank's process is the engine's for good: once its KV cache is set up (start-up's last call:
+    the warm-up and the CUDA graphs are in it), what start-up made leaves the collector's scans."""
+    from micro_vllm.executor.multiproc_executor import WorkerProc
+
+    calls = []
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_attention_specs=None), determine_num_blocks=None,
+                             initialize_kv_cache=lambda *args: calls.append(args))
+    proc = WorkerProc(worker, 0, results=None)
+    before = gc.get_freeze_count()
+    try:
+        proc.calls["initialize_kv_cache"]([], 8)
+        assert calls == [([], 8)] and gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()

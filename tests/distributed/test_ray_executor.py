@@ -14,10 +14,12 @@ shared by the tests that use ``ray_llm`` (in file order: the last of them kills 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -151,3 +153,19 @@ def check_nothing_left(workers) -> None:
             break
         time.sleep(0.1)
     assert (running, groups, free_cpus) == ([], [], NUM_CPUS)
+
+
+def test_a_ray_worker_freezes_its_heap_once_started():
+    """An actor's process is its rank's for good: once the KV cache is set up (start-up's last call),
+    what start-up made leaves the collector's scans."""
+    from micro_vllm.executor.ray_distributed_executor import RayWorkerWrapper
+
+    calls = []
+    wrapper = RayWorkerWrapper()
+    wrapper.worker = SimpleNamespace(initialize_kv_cache=lambda *args: calls.append(args))
+    before = gc.get_freeze_count()
+    try:
+        wrapper.initialize_kv_cache([], 8)
+        assert calls == [([], 8)] and gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()

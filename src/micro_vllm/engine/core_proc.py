@@ -36,7 +36,6 @@ does it while the loop waits for the next step's tokens, holding no GIL.
 
 from __future__ import annotations
 
-import gc
 import logging
 import pickle
 import queue
@@ -52,7 +51,7 @@ from micro_vllm.core.request import Request
 from micro_vllm.engine.engine import LLMEngine
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.engine.request_output import CompletionOutput, RequestOutput
-from micro_vllm.utils import exit_with_parent
+from micro_vllm.utils import exit_with_parent, freeze_start_up_heap
 
 if TYPE_CHECKING:
     from micro_vllm.structured_output.manager import StructuredOutputGrammar
@@ -96,14 +95,9 @@ class EngineCoreProc:
         self.engine = engine
         self.conn = conn
         self.announced: set[str] = set()  # requests whose prompt has gone out with an output
-        # What start-up made (the model's modules, the tokenizer, compiled kernels, CUDA graphs) lives as
-        # long as this process: moved out of the collector's generations, it is not scanned again by the
-        # full collections that the steps' own objects set off, each of which would stall a step for as
-        # long as the whole heap takes to scan (vLLM freezes its heap after warm-up too). For good here,
-        # where the process is the engine's; an offline LLM freezes its caller's heap only while it
-        # generates (``heap_frozen``).
-        gc.collect()
-        gc.freeze()
+        # For good here, where the process is the engine's; an offline LLM freezes its caller's heap
+        # only while it generates (``heap_frozen``).
+        freeze_start_up_heap()
         # The commands from the pipe, ("compiled",) whenever a grammar has compiled, and ("failed", error)
         # when a command cannot be read or a message sent, in order.
         self.input_queue: queue.Queue[tuple] = queue.Queue()

@@ -50,7 +50,7 @@ from micro_vllm.distributed import get_open_port
 from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from micro_vllm.utils import sigint_held_back
+from micro_vllm.utils import freeze_start_up_heap, sigint_held_back
 from micro_vllm.worker.worker import Worker
 
 # How long stopping waits for the workers to leave their process groups before killing them (one
@@ -332,7 +332,7 @@ class WorkerProc:
         self.calls = {
             "get_attention_specs": worker.model_runner.get_attention_specs,
             "determine_num_blocks": worker.determine_num_blocks,
-            "initialize_kv_cache": worker.initialize_kv_cache,
+            "initialize_kv_cache": self.initialize_kv_cache,
             "reset_batch": self.reset_batch,
         }
 
@@ -363,6 +363,10 @@ class WorkerProc:
             runner_output = output.get_output()
             if self.rank == 0:
                 self.send("output", step, runner_output)
+
+    def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(groups, num_blocks)
+        freeze_start_up_heap()  # the last call of start-up: the steps come next
 
     def reset_batch(self) -> None:
         self.in_flight.clear()

@@ -53,7 +53,7 @@ from micro_vllm.engine.exceptions import EngineDeadError
 from micro_vllm.executor.abstract import Executor
 from micro_vllm.executor.multiproc_executor import dumps
 from micro_vllm.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from micro_vllm.utils import sigint_held_back
+from micro_vllm.utils import freeze_start_up_heap, sigint_held_back
 from micro_vllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class RayWorkerWrapper:
 
     def initialize_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         self.worker.initialize_kv_cache(groups, num_blocks)
+        freeze_start_up_heap()  # the last call of start-up: the steps come next
 
     def reset_batch(self) -> None:
         self.worker.reset_batch()
