@@ -30,10 +30,6 @@ class CpuGpuBuffer:
             views.copied_device.copy_(views.copied_host, non_blocking=True)
         return views.device
 
-    def device_rows(self, n: int) -> torch.Tensor:
-        """The first ``n`` rows on the device, for a step that fills them there (nothing is copied)."""
-        return self._views_of(n, None).device
-
     def host_rows(self, n: int, cols: int | None = None) -> torch.Tensor:
         """The first ``n`` rows on the host (``cols`` as for the copy that goes with them)."""
         return self._views_of(n, cols).host
