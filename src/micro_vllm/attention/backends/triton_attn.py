@@ -123,10 +123,6 @@ def _write_kv_kernel(
     ROUND_ROWS: tl.constexpr,  # also overwrite the rows with what the cache holds (_step_rows)
 ):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if not ROUND_ROWS:
-        if slot < 0:  # a padding token: nothing to store
-            return
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & _dim_mask(HEAD_SIZE, HEAD_PAD)[None, :]
@@ -138,7 +134,8 @@ def _write_kv_kernel(
         key_rows, value_rows = _step_rows(key_ptr, k_cache_ptr), _step_rows(value_ptr, v_cache_ptr)
         tl.store(key_rows + k_row, k.to(key_rows.dtype.element_ty), mask=mask)
         tl.store(value_rows + v_row, v.to(value_rows.dtype.element_ty), mask=mask)
-    if slot < 0:  # a padding token, its rows rounded above: nothing to store
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding token: nothing to store
         return
     dst = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_tok
     dst += heads * cache_stride_head + dims
@@ -786,7 +783,7 @@ class TritonBackend(AttentionBackend):
         ``write_and_attend``; the tests hold this to the reference): the step's launch with every
         key read through the pages."""
         through_pages = dataclasses.replace(metadata, tiles=metadata.tiles._replace(step_kv_tma=False),
-                                            write_kv_in_launch=False, kv_from_step=False, round_step_rows=False)
+                                            write_kv_in_launch=False, kv_from_step=False)
         # The launch reads no K/V rows: the query stands in for them.
         return self._attend(query, query, query, kv_cache, through_pages, scale, sliding_window)
 
