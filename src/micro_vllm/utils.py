@@ -62,7 +62,8 @@ def freeze_start_up_heap() -> None:
     kernels, CUDA graphs), and each full collection that the steps' own objects set off would scan
     it all, stalling a step for as long as that takes; with ranks in collectives, every rank waits
     for the one stalled (vLLM freezes its heap after warm-up too). The objects are still freed by
-    reference counting. A process that is not ours only for a while uses ``heap_frozen``."""
+    reference counting. Where the process is ours only for a while (a caller's ``LLM.generate``, an
+    app's lifespan), ``heap_frozen`` freezes it for that while."""
     gc.collect()
     gc.freeze()
 
