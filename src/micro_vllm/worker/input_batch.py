@@ -92,7 +92,7 @@ class TokenCounts:
         rows, prompt_flat, output_flat = on_device.split([len(rows), num_prompt, len(flat) - num_prompt])
         self.output[rows] = 0
         self.seen[rows] = False
-        self.seen.view(-1).index_fill_(0, prompt_flat, True)
+        self.seen.view(-1)[prompt_flat] = True
         self._count_flat(output_flat)
         self.to_rebuild.clear()
 
@@ -104,9 +104,7 @@ class TokenCounts:
         # index_add_ counts a repeated (row, token) with atomic adds in one kernel, where index_put_'s
         # accumulate sorts the indices first.
         self.output.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        # index_fill_ takes its value as a scalar: assigning True would copy it from the host first,
-        # a pageable copy that waits for the device.
-        self.seen.view(-1).index_fill_(0, flat, True)
+        self.seen.view(-1)[flat] = True
 
     def move_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
         self.rebuild()
