@@ -67,8 +67,7 @@ def sorted_top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | Non
 def old_sampler(sampler: Sampler):
     """The Sampler as it was: top-k / top-p by sorting whole rows, the penalties in PyTorch."""
     with mock.patch.object(sampler_module, "top_k_top_p_threshold", sorted_top_k_top_p_threshold), \
-            mock.patch.object(sampler, "penalize", apply_penalties), \
-            mock.patch.object(sampler, "_draw_penalizes", lambda metadata: False):
+            mock.patch.object(sampler, "penalize", apply_penalties):
         yield
 
 
@@ -79,13 +78,13 @@ def penalties_metadata(rows: int, vocab: int, device: torch.device) -> LogitsPro
     counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
     output = torch.randint(0, vocab, (rows, 500), generator=generator, device=device)
     counts.scatter_add_(1, output, torch.ones_like(output, dtype=torch.int32))
-    seen = counts > 0
-    seen.scatter_(1, torch.randint(0, vocab, (rows, 500), generator=generator, device=device), True)
+    prompt_mask = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+    prompt_mask.scatter_(1, torch.randint(0, vocab, (rows, 500), generator=generator, device=device), True)
 
     def full(value: float) -> torch.Tensor:
         return torch.full((rows,), value, device=device)
 
-    return LogitsProcessorsMetadata(penalties=Penalties(full(0.2), full(0.2), full(1.1), counts, seen))
+    return LogitsProcessorsMetadata(penalties=Penalties(full(0.2), full(0.2), full(1.1), counts, prompt_mask))
 
 
 def make_metadata(sampler: Sampler, rows: int, vocab: int, device: torch.device, top_k: int = 0,

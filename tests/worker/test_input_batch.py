@@ -110,7 +110,7 @@ def test_token_counts_follow_the_rows_of_requests_with_penalties():
             tokens, num_prompt = batch.token_ids[row, : batch.num_tokens[row]], batch.num_prompt_tokens[row]
             expected_output = np.bincount(tokens[num_prompt:], minlength=32)
             assert counts.output[row].tolist() == expected_output.tolist(), batch.req_ids[row]
-            assert counts.seen[row].tolist() == [t in set(tokens) for t in range(32)]  # the prompt's or the output's
+            assert counts.prompt_mask[row].tolist() == [t in set(tokens[:num_prompt]) for t in range(32)]
 
     batch.add_request(resumed("a", [1, 2, 2], [7], presence_penalty=1.0))
     batch.add_request(resumed("b", [3], [], temperature=0.5))

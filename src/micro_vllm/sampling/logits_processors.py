@@ -5,9 +5,8 @@ masks every other token, then per-token biases (``logit_bias`` adds its values; 
 ``min_tokens`` ban tokens with -inf), then the penalties: ``repetition_penalty`` on tokens of the
 prompt or the output (positive logits divided by it, negative ones multiplied), then
 ``frequency_penalty`` times each token's count in the output and ``presence_penalty`` for each
-token the output holds (in PyTorch here, or in Triton on the Sampler's Triton route,
-``triton_penalties.py``: in a pass of their own, or inside the draw when they are the batch's only
-processor). ``apply_min_p`` filters the temperature-scaled logits, before top-k / top-p.
+token the output holds (in PyTorch here, or in one Triton pass, ``triton_penalties.py``, on the
+Sampler's Triton route). ``apply_min_p`` filters the temperature-scaled logits, before top-k / top-p.
 
 The runner's ``InputBatch`` makes the inputs from its rows' settings when its rows change, and each
 step adds the tokens ``min_tokens`` and ``bad_words`` ban at that step (they depend on the output so
@@ -42,7 +41,7 @@ class Penalties:
     frequency: torch.Tensor  # float32 [n]
     repetition: torch.Tensor  # float32 [n]
     output_token_counts: torch.Tensor  # int32 [rows, vocab]: how often each token occurs in a row's output
-    seen_token_mask: torch.Tensor  # bool [rows, vocab]: whether it occurs in the row's prompt or output
+    prompt_token_mask: torch.Tensor  # bool [rows, vocab]: whether it occurs in the row's prompt
 
 
 @dataclass(frozen=True)
@@ -56,11 +55,6 @@ class LogitsProcessorsMetadata:
     bans: TokenBiases | None = None  # this step's: min_tokens and bad words
     penalties: Penalties | None = None
 
-    @property
-    def penalties_alone(self) -> bool:
-        return self.penalties is not None and all(
-            field is None for field in (self.allowed_rows, self.logit_bias, self.bans))
-
 
 # The logits [n, vocab] penalized, as a new float32 tensor.
 PenaltiesApplier = Callable[[torch.Tensor, Penalties], torch.Tensor]
@@ -72,7 +66,9 @@ def apply_logits_processors(logits: torch.Tensor, metadata: LogitsProcessorsMeta
     applies the penalties: ``apply_penalties``, or the Triton pass of ``triton_penalties`` on the
     Sampler's Triton route; either writes a new float32 tensor, so that a batch with the penalties
     alone reads its logits once."""
-    processed = logits if metadata.penalties_alone else logits.to(torch.float32, copy=True)
+    penalties_alone = metadata.penalties is not None and all(
+        field is None for field in (metadata.allowed_rows, metadata.logit_bias, metadata.bans))
+    processed = logits if penalties_alone else logits.to(torch.float32, copy=True)
     if metadata.allowed_rows is not None:
         banned = torch.zeros_like(processed, dtype=torch.bool)
         banned[metadata.allowed_rows] = True
@@ -94,7 +90,7 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     (``triton_penalties``) runs instead."""
     out = logits.to(torch.float32, copy=True)
     counts = penalties.output_token_counts[: len(logits)]
-    rows, tokens = penalties.seen_token_mask[: len(logits)].nonzero(as_tuple=True)
+    rows, tokens = ((counts > 0) | penalties.prompt_token_mask[: len(logits)]).nonzero(as_tuple=True)
     seen, count = out[rows, tokens], counts[rows, tokens]
     repetition = penalties.repetition[rows]
     seen = torch.where(seen > 0, seen / repetition, seen * repetition)

@@ -321,10 +321,7 @@ class Sampler:
         return SamplerOutput(sampled, gather_logprobs(raw_logprobs, num_logprobs, sampled))
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        draw_penalties = None
-        if self._draw_penalizes(metadata):
-            draw_penalties = metadata.logits_processors.penalties
-        elif metadata.logits_processors is not None:
+        if metadata.logits_processors is not None:
             processed = apply_logits_processors(logits, metadata.logits_processors, self.penalize)
             if metadata.grammar_bitmask is not None:
                 processed = keep_a_token_the_grammar_allows(processed, logits)
@@ -352,7 +349,7 @@ class Sampler:
         if metadata.seeds is not None:
             # A greedy row's argmax survives any filter.
             draw_temperature = (temperature > 0).float() if scaled else temperature
-            return self.triton_sample(scores, draw_temperature, metadata.seeds, threshold, draw_penalties)
+            return self.triton_sample(scores, draw_temperature, metadata.seeds, threshold)
         if threshold is not None:
             scores = scores.masked_fill(scores < threshold, float("-inf"))
         probs = scores.softmax(dim=-1)
@@ -363,18 +360,6 @@ class Sampler:
         if metadata.all_random:
             return sampled
         return torch.where(temperature > 0, sampled, self.argmax(logits))
-
-
-    @staticmethod
-    def _draw_penalizes(metadata: SamplingMetadata) -> bool:
-        """Whether the Triton draw applies the penalties as it reads the logits: when they are the
-        batch's only processor and nothing else reads the penalized logits (a filter, a grammar, a
-        greedy batch's argmax). It spares their pass, which writes them in fp32 for the draw to read
-        again (what that cost: docs/benchmarks.md, "Sampling settings")."""
-        processors = metadata.logits_processors
-        return (metadata.seeds is not None and processors is not None and processors.penalties_alone
-                and metadata.grammar_bitmask is None and metadata.top_k is None and metadata.top_p is None
-                and metadata.min_p is None)
 
 
 def _exponential_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

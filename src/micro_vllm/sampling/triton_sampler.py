@@ -20,8 +20,7 @@ the batch.
 Top-k / top-p are not found here: the Sampler gives each row a threshold on its scaled logits, and
 tokens below it are never drawn (nor are ``-inf`` ones, as min-p leaves them in logits the Sampler
 scaled itself and passes here with temperature 1). Both sides scale by the correctly rounded ``1 / T``,
-so both routes give a row the same scores and the same draw. The penalties may be applied here too,
-as the logits are read (``triton_penalties.penalize``), when they are the batch's only processor.
+so both routes give a row the same scores and the same draw.
 """
 
 from __future__ import annotations
@@ -29,9 +28,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from micro_vllm.sampling.logits_processors import Penalties
-from micro_vllm.sampling.triton_penalties import has_penalties, penalize, row_penalties, seen_bytes
 
 # Qwen3's 151,936 tokens make 75 chunks of 2,048: two rows give the H200's 132 SMs 150 programs, and
 # the draw's Gumbel pass over one chunk is 16 tokens per thread (4 warps). Chunks of 4,096 (38 per
@@ -41,23 +37,17 @@ _BLOCK = 1024  # tokens per loop iteration: 8 per thread, one 16-byte load of bf
 
 
 @triton.jit
-def _load_logits(logits_row, cols, end, penalties):
-    """The logits of the tokens ``cols`` before ``end`` in fp32, -inf past it, penalized with the
-    row's ``penalties`` when the draw applies them (None: it does not)."""
-    in_row = cols < end
-    x = tl.load(logits_row + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-    if penalties is not None:
-        if has_penalties(penalties):
-            x = penalize(x, cols, in_row, penalties)
-    return x
+def _load_logits(logits_row, cols, end):
+    """The logits of the tokens ``cols`` before ``end`` in fp32, -inf past it."""
+    return tl.load(logits_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
 
 
 @triton.jit
-def _scaled_score(logits_row, cols, end, inverse_temperature, threshold, penalties):
+def _scaled_score(logits_row, cols, end, inverse_temperature, threshold):
     """Base-2 scores ``x / T * log2(e)`` of the tokens ``cols`` before ``end`` (-inf past it, and
     where ``x / T`` is below the row's ``threshold``); the product ``x * (1 / T)`` is the Sampler's
     own scaling, so a pre-scaled row keeps its scores."""
-    scaled = _load_logits(logits_row, cols, end, penalties) * inverse_temperature
+    scaled = _load_logits(logits_row, cols, end) * inverse_temperature
     return tl.where(scaled >= threshold, scaled * 1.4426950408889634, float("-inf"))
 
 
@@ -75,16 +65,12 @@ def _first_best(best, best_index, vocab_size):
     return tl.min(tl.where(best == tl.max(best, 0), best_index, vocab_size), 0)
 
 
-# The penalties' settings: see triton_penalties' kernel.
-@triton.jit(do_not_specialize_on_alignment=["repetition_ptr", "frequency_ptr", "presence_ptr"])
+@triton.jit
 def _chunk_stats_kernel(chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_ptr, logits_stride, temperature_ptr,
-                        threshold_ptr, counts_ptr, counts_stride, seen_ptr, seen_stride, repetition_ptr, frequency_ptr,
-                        presence_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        threshold_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_THRESHOLD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    penalties = None if counts_ptr is None else row_penalties(
-        row, counts_ptr, counts_stride, seen_ptr, seen_stride, repetition_ptr, frequency_ptr, presence_ptr)
     logits_row = logits_ptr + row * logits_stride
     first = chunk * CHUNK
     end = tl.minimum(first + CHUNK, vocab_size)
@@ -95,7 +81,7 @@ def _chunk_stats_kernel(chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_p
         best_index = tl.zeros([BLOCK], dtype=tl.int32) + first
         for start in range(first, end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            best, best_index = _keep_best(best, best_index, _load_logits(logits_row, cols, end, penalties), cols)
+            best, best_index = _keep_best(best, best_index, _load_logits(logits_row, cols, end), cols)
         tl.store(chunk_max_ptr + out, tl.max(best, 0))
         tl.store(chunk_argmax_ptr + out, _first_best(best, best_index, vocab_size))
     else:
@@ -104,8 +90,7 @@ def _chunk_stats_kernel(chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_p
         chunk_max = float("-inf")
         total = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, relative to chunk_max
         for start in range(first, end, BLOCK):
-            score = _scaled_score(logits_row, start + tl.arange(0, BLOCK), end, inverse_temperature, threshold,
-                                  penalties)
+            score = _scaled_score(logits_row, start + tl.arange(0, BLOCK), end, inverse_temperature, threshold)
             new_max = tl.maximum(chunk_max, tl.max(score, 0))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf block adds exp2(-inf) = 0
             total = total * tl.exp2(chunk_max - shift) + tl.exp2(score - shift)
@@ -132,10 +117,9 @@ def _pick_chunk(chunk_max_ptr, chunk_sum_ptr, stats, num_chunks, seed, CHUNKS: t
     return tl.min(tl.where(drawable & (tl.cumsum(weight, 0) > target), chunks, last), 0)
 
 
-@triton.jit(do_not_specialize_on_alignment=["repetition_ptr", "frequency_ptr", "presence_ptr"])
+@triton.jit
 def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr, logits_ptr, logits_stride,
-                       temperature_ptr, threshold_ptr, seed_ptr, counts_ptr, counts_stride, seen_ptr, seen_stride,
-                       repetition_ptr, frequency_ptr, presence_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr,
+                       temperature_ptr, threshold_ptr, seed_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     stats = row * num_chunks
@@ -153,8 +137,6 @@ def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr
         inverse_temperature = tl.div_rn(1.0, temperature)
         threshold = tl.load(threshold_ptr + row) if HAS_THRESHOLD else float("-inf")
         logits_row = logits_ptr + row * logits_stride
-        penalties = None if counts_ptr is None else row_penalties(
-            row, counts_ptr, counts_stride, seen_ptr, seen_stride, repetition_ptr, frequency_ptr, presence_ptr)
         first = chunk * CHUNK
         end = tl.minimum(first + CHUNK, vocab_size)
         # Gumbel-max in base 2 over the chunk: argmax(score - log2(-log2(U))) is a draw from
@@ -164,20 +146,18 @@ def _pick_token_kernel(token_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_argmax_ptr
         for start in range(first, end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             noise = -tl.log2(-tl.log2(tl.rand(seed, cols + 1)))
-            score = _scaled_score(logits_row, cols, end, inverse_temperature, threshold, penalties) + noise
+            score = _scaled_score(logits_row, cols, end, inverse_temperature, threshold) + noise
             best, best_index = _keep_best(best, best_index, score, cols)
         token = _first_best(best, best_index, vocab_size)
     tl.store(token_ptr + row, token.to(tl.int64))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-           threshold: torch.Tensor | None = None, penalties: Penalties | None = None) -> torch.Tensor:
+           threshold: torch.Tensor | None = None) -> torch.Tensor:
     """One int64 token per row of ``logits`` [n, vocab]: greedy where ``temperature`` is 0, else a
     draw from ``softmax(logits / temperature)`` keyed by the row's int64 ``seeds``, over the tokens
     whose ``logits / temperature`` is at least the row's ``threshold`` [n, 1] when one is given (the
-    Sampler's top-k / top-p; a greedy row's argmax is always among them). With ``penalties``, the
-    logits are penalized as they are read: the values ``triton_penalties.apply_penalties`` writes, bit
-    for bit (fp fusion is off for these launches)."""
+    Sampler's top-k / top-p; a greedy row's argmax is always among them)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
@@ -192,19 +172,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
     tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows:
         temperature = temperature.to(torch.float32)
-        penalty_args = (None,) * 7
-        if penalties is not None:
-            counts, seen = penalties.output_token_counts, seen_bytes(penalties)
-            penalty_args = (counts, counts.stride(0), seen, seen.stride(0), penalties.repetition, penalties.frequency,
-                            penalties.presence)
-        options = dict(HAS_THRESHOLD=threshold is not None, enable_fp_fusion=penalties is None)
         _chunk_stats_kernel[(num_rows, num_chunks)](
-            chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, threshold, *penalty_args,
-            vocab_size, num_chunks, CHUNK=chunk, BLOCK=block, **options,
+            chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, threshold, vocab_size,
+            num_chunks, CHUNK=chunk, BLOCK=block, HAS_THRESHOLD=threshold is not None,
         )
         _pick_token_kernel[(num_rows,)](
             tokens, chunk_max, chunk_sum, chunk_argmax, logits, logits.stride(0), temperature, threshold, seeds,
-            *penalty_args, vocab_size, num_chunks, CHUNK=chunk, BLOCK=block,
-            CHUNKS=triton.next_power_of_2(num_chunks), **options,
+            vocab_size, num_chunks, CHUNK=chunk, BLOCK=block, CHUNKS=triton.next_power_of_2(num_chunks),
+            HAS_THRESHOLD=threshold is not None,
         )
     return tokens

@@ -61,9 +61,9 @@ def load_eager_kernels(runner: ModelRunner) -> None:
     * each sampling route: all greedy, top-p alone (over whole rows), top-k alone and top-k with
       top-p over each number of best candidates ``max_top_k`` can ask for (``topk``'s kernels differ
       with it), from the logits as they are and from the scaled fp32 copy that min-p (and top-k
-      beside the penalties) makes, the logits processors (the penalties alone, which the Triton
-      route's draw applies, beside top-p, which reads their pass's output, and after the others), each
-      on one row and on two, as a library may pick its kernel by the row count (cuBLAS does);
+      beside the penalties) makes, the logits processors (which also compiles the Triton route's
+      penalties pass), each on one row and on two, as a library may pick its kernel by the row count
+      (cuBLAS does);
     * the penalties' token counts: a row rebuilt, the sampled tokens counted, a row moved;
     * the merge of the tokens the last step sampled into a step's input, under async scheduling (an
       int64 ``index_select`` and ``index_copy_``, ``ModelRunner._input_ids``).
@@ -79,10 +79,9 @@ def load_eager_kernels(runner: ModelRunner) -> None:
         rows_logits = logits[:num_rows]
         dummy_sample(sampler, rows_logits, greedy=True)
         dummy_sample(sampler, rows_logits, top_p=0.9)
-        # The penalties alone (in the draw), beside top-p (their pass reads the model's logits), and
-        # after the other processors (on the fp32 copy those make).
+        # The penalties alone (their pass reads the model's logits), and after the other processors
+        # (on the fp32 copy those make).
         dummy_sample(sampler, rows_logits, processors="penalties")
-        dummy_sample(sampler, rows_logits, processors="penalties", top_p=0.9)
         dummy_sample(sampler, rows_logits, processors="all")
         for count in candidate_counts:
             for min_p in (None, 0.1):  # the candidates of the logits as they are, and of a scaled fp32 copy

@@ -62,8 +62,7 @@ class RequestProcessors:
 
 class TokenCounts:
     """The tokens of each row as the penalties need them, on the device: how often each token occurs
-    in the output, and whether it occurs in the prompt or the output (which tokens the penalties
-    change, so that their kernels read only those tokens' counts). A row is rebuilt from its request's tokens
+    in the output, and whether it occurs in the prompt. A row is rebuilt from its request's tokens
     when the request is (re)added, all such rows of a step at once (``rebuild``: a prefill step may
     add hundreds, and a few launches for all of them cost less than a few each), and each step's
     sampled tokens are counted on the device."""
@@ -71,7 +70,7 @@ class TokenCounts:
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
         self.output = torch.zeros((max_num_reqs, vocab_size), dtype=torch.int32, device=device)
-        self.seen = torch.zeros((max_num_reqs, vocab_size), dtype=torch.bool, device=device)
+        self.prompt_mask = torch.zeros((max_num_reqs, vocab_size), dtype=torch.bool, device=device)
         self.to_rebuild: dict[int, tuple[np.ndarray, int]] = {}  # row -> (its token ids, how many are the prompt's)
 
     def reset_row(self, row: int, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
@@ -91,8 +90,8 @@ class TokenCounts:
         on_device = to_device(np.concatenate([rows, flat[in_prompt], flat[~in_prompt]]), self.device)
         rows, prompt_flat, output_flat = on_device.split([len(rows), num_prompt, len(flat) - num_prompt])
         self.output[rows] = 0
-        self.seen[rows] = False
-        self.seen.view(-1)[prompt_flat] = True
+        self.prompt_mask[rows] = False
+        self.prompt_mask.view(-1)[prompt_flat] = True
         self._count_flat(output_flat)
         self.to_rebuild.clear()
 
@@ -104,13 +103,12 @@ class TokenCounts:
         # index_add_ counts a repeated (row, token) with atomic adds in one kernel, where index_put_'s
         # accumulate sorts the indices first.
         self.output.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        self.seen.view(-1)[flat] = True
 
     def move_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
         self.rebuild()
         dst, src = to_device(dst, self.device), to_device(src, self.device)
         self.output[dst] = self.output[src]
-        self.seen[dst] = self.seen[src]
+        self.prompt_mask[dst] = self.prompt_mask[src]
 
 
 class InputBatch:
@@ -326,7 +324,7 @@ class InputBatch:
             presence, frequency, repetition = to_device(settings, self.device)
             self.token_counts.rebuild()
             fields["penalties"] = Penalties(presence, frequency, repetition, self.token_counts.output,
-                                            self.token_counts.seen)
+                                            self.token_counts.prompt_mask)
         return LogitsProcessorsMetadata(**fields)
 
     def step_sampling_metadata(self, seq_lens: np.ndarray, prev_sampled_token_ids: torch.Tensor | None,
