@@ -256,8 +256,11 @@ def test_benchmark_model_runs_with_default_settings(tmp_path):
         rng = random.Random(0)
         lengths, max_tokens = [3, 50, 700, 2500], [1, 7, 33, 64]
         prompts = [[rng.randrange(QWEN3_0_6B["vocab_size"]) for _ in range(n)] for n in lengths]
+        # The last request's penalties make the runner allocate their token counts, which the
+        # sizing left room for.
         params = [
-            SamplingParams(max_tokens=m, temperature=0.0 if i % 2 else 0.7, ignore_eos=True)
+            SamplingParams(max_tokens=m, temperature=0.0 if i % 2 else 0.7, ignore_eos=True,
+                           repetition_penalty=1.1 if i == 3 else 1.0)
             for i, m in enumerate(max_tokens)
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -266,8 +269,9 @@ def test_benchmark_model_runs_with_default_settings(tmp_path):
         assert all(0 <= t < QWEN3_0_6B["vocab_size"] for o in outputs for t in o.outputs[0].token_ids)
 
         torch.cuda.synchronize()
-        # Everything the engine allocated (weights, KV cache, CUDA graph pools, step buffers) stays
-        # near the budget: graph pools and step buffers come after the sizing, so allow a little over.
+        # Everything the engine allocated (weights, KV cache, CUDA graph pools, step buffers, the
+        # penalties' token counts) stays near the budget: graph pools and step buffers come after the
+        # sizing, so allow a little over.
         held = torch.cuda.memory_reserved() - reserved_before
         assert held <= budget + 2 * 2**30, (held, budget)
     finally:

@@ -283,3 +283,36 @@ def test_the_batch_follows_the_plans_through_finishes_joins_and_preemptions(tmp_
     # vLLM's layout: None for the first prompt token, then one entry per prompt token.
     assert [len(o.prompt_logprobs or ()) for o in outputs] == [len(p) * (i % 3 == 1) for i, p in enumerate(prompts)]
     assert log["preempted"] and log["steps"] > 2 * log["metadata made"] > 0
+
+
+def test_the_kv_cache_sizing_leaves_room_for_what_the_runner_allocates_on_demand(monkeypatch):
+    """On CUDA the KV cache takes what is left of the engine's share after the memory in use, the
+    profiling run's peak and the runner's on-demand memory (the penalties' token counts, allocated
+    for the first request with penalties): the sizing's arithmetic, with CUDA's memory queries
+    faked, and the token counts' size against what they allocate."""
+    from types import SimpleNamespace
+
+    from micro_vllm.config import CacheConfig
+    from micro_vllm.worker import worker as worker_module
+    from micro_vllm.worker.input_batch import TokenCounts
+    from micro_vllm.worker.model_runner import ModelRunner
+
+    counts = TokenCounts(3, 50, torch.device("cpu"))
+    assert TokenCounts.nbytes(3, 50) == sum(t.numel() * t.element_size() for t in vars(counts).values()
+                                            if isinstance(t, torch.Tensor))
+    gib = 2**30
+    allocated = iter([2 * gib, 5 * gib])  # before the profiling run, and at its peak
+    for name, value in {"empty_cache": lambda: None, "reset_peak_memory_stats": lambda: None,
+                        "synchronize": lambda: None, "memory_allocated": lambda: next(allocated),
+                        "max_memory_allocated": lambda: next(allocated),
+                        "mem_get_info": lambda: (70 * gib, 80 * gib)}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(worker_module, "profile_run", lambda runner: None)
+    runner = SimpleNamespace(kv_cache_bytes_per_block=lambda: gib // 4, vocab_size=151_936,
+                             settings=SimpleNamespace(max_num_seqs=1024))
+    runner.on_demand_bytes = lambda: ModelRunner.on_demand_bytes(runner)
+    worker = SimpleNamespace(config=SimpleNamespace(cache_config=CacheConfig(gpu_memory_utilization=0.5)),
+                             settings=SimpleNamespace(device=torch.device("cuda")), model_runner=runner)
+    # 40 GiB of the 80, less the 10 in use, the 3 of the peak and the token counts' 0.72 GiB.
+    on_demand = 1024 * 151_936 * 5
+    assert worker_module.Worker.determine_num_blocks(worker, 8) == int((27 * gib - on_demand) // (gib // 4)) == 105

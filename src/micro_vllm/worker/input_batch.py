@@ -69,9 +69,15 @@ class TokenCounts:
 
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
+        # nbytes() counts these two tensors.
         self.output = torch.zeros((max_num_reqs, vocab_size), dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros((max_num_reqs, vocab_size), dtype=torch.bool, device=device)
         self.to_rebuild: dict[int, tuple[np.ndarray, int]] = {}  # row -> (its token ids, how many are the prompt's)
+
+    @staticmethod
+    def nbytes(max_num_reqs: int, vocab_size: int) -> int:
+        """The device memory a ``TokenCounts(max_num_reqs, vocab_size)`` takes."""
+        return max_num_reqs * vocab_size * (torch.int32.itemsize + torch.bool.itemsize)
 
     def reset_row(self, row: int, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         """Give ``row`` these tokens at the next ``rebuild``."""

@@ -29,7 +29,7 @@ from micro_vllm.model_loader.checkpoint import load_model
 from micro_vllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from micro_vllm.worker.cuda_graphs import CudaGraphs, CudaGraphShape, cudagraph_capture_shapes, pad_batch
 from micro_vllm.worker.dummy_run import warm_up, warm_up_allocators
-from micro_vllm.worker.input_batch import InputBatch
+from micro_vllm.worker.input_batch import InputBatch, TokenCounts
 from micro_vllm.worker.input_buffers import InputBuffers
 from micro_vllm.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsSlice
 from micro_vllm.worker.step_output import DeviceStepOutput
@@ -123,6 +123,12 @@ class ModelRunner:
             2 * self.settings.block_size * spec.num_kv_heads * spec.head_size * element
             for spec in self.get_attention_specs()
         )
+
+    def on_demand_bytes(self) -> int:
+        """The device memory the runner allocates only when a request first needs it, which the KV
+        cache's sizing must leave free: the penalties' token counts (``TokenCounts``, for every
+        request slot: about 0.8 GB for a 151,936-token vocabulary and 1,024 slots)."""
+        return TokenCounts.nbytes(self.settings.max_num_seqs, self.vocab_size)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Give each layer a paged K/V tensor of ``num_blocks`` blocks (0: none)."""

@@ -142,7 +142,8 @@ class Worker:
 
     def determine_num_blocks(self, max_blocks_per_request: int) -> int:
         """How many KV blocks fit: an explicit ``num_blocks`` wins; on CUDA what is left of
-        ``gpu_memory_utilization`` after a profiling run; on CPU the ``cpu_kv_cache_gib`` budget,
+        ``gpu_memory_utilization`` after a profiling run and the memory the runner allocates on
+        demand (``ModelRunner.on_demand_bytes``); on CPU the ``cpu_kv_cache_gib`` budget,
         capped at what the scheduler could ever use (``max_num_seqs`` requests holding
         ``max_blocks_per_request`` each, over all KV cache groups)."""
         cache_config = self.config.cache_config
@@ -159,7 +160,8 @@ class Worker:
             activation_peak = torch.cuda.max_memory_allocated() - before
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
-            available = total * cache_config.gpu_memory_utilization - (total - free) - activation_peak
+            available = (total * cache_config.gpu_memory_utilization - (total - free) - activation_peak
+                         - self.model_runner.on_demand_bytes())
             num_blocks = int(available // bytes_per_block)
             logger.info("KV cache: %d blocks (%.1f GiB)", num_blocks, num_blocks * bytes_per_block / 2**30)
         else:
