@@ -55,6 +55,11 @@ class RequestProcessors:
         return processors if used else None
 
     @property
+    def bans_tokens(self) -> bool:
+        """Whether ``min_tokens`` or ``bad_words`` may ban tokens at a step."""
+        return bool(self.min_tokens_stop_ids or self.bad_words_token_ids)
+
+    @property
     def uses_penalties(self) -> bool:
         params = self.params
         return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
@@ -144,12 +149,13 @@ class InputBatch:
         self.processors = column(object, None)  # RequestProcessors, or None
         self.uses_processors = column(bool)
         self.uses_penalties = column(bool)
+        self.bans_tokens = column(bool)  # the rows a step's bans may concern, which it visits alone
         self.token_counts: TokenCounts | None = None  # allocated for the first request with penalties
         # Every one-value-per-row column: they move with their rows (``_reorder``).
         self.columns = [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, *self.num_blocks,
                         self.temperature.np, self.top_k.np, self.top_p.np, self.min_p.np, self.seed,
                         self.num_logprobs, self.num_prompt_logprobs, self.processors, self.uses_processors,
-                        self.uses_penalties]
+                        self.uses_penalties, self.bans_tokens]
         self.changed = True  # the rows changed since the sampling metadata was made
         self.sampling_metadata: SamplingMetadata | None = None
 
@@ -193,6 +199,7 @@ class InputBatch:
         self.processors[row] = processors
         self.uses_processors[row] = processors is not None
         self.uses_penalties[row] = processors is not None and processors.uses_penalties
+        self.bans_tokens[row] = processors is not None and processors.bans_tokens
         if self.uses_penalties[row]:
             if self.token_counts is None:
                 self.token_counts = TokenCounts(len(self.processors), self.vocab_size, self.device)
@@ -348,7 +355,7 @@ class InputBatch:
             return metadata
         bans = ([], [], [])  # row, token id, value
         pending = ([], [], [], [])  # row, token id, index in prev_sampled_token_ids, the token it must be
-        for row in np.flatnonzero(self.uses_processors[: self.num_reqs]).tolist():
+        for row in np.flatnonzero(self.bans_tokens[: self.num_reqs]).tolist():
             processors: RequestProcessors = self.processors[row]
             num_prompt_tokens, num_known = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
             if seq_lens[row] - num_prompt_tokens < processors.params.min_tokens:
