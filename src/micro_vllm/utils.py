@@ -73,8 +73,8 @@ def heap_frozen() -> Iterator[None]:
     """Run the block with the objects that exist at its start out of the garbage collector's scans,
     then put them back. A full collection scans every tracked object, and an engine's process holds
     many (the model's modules, the tokenizer, compiled kernels, CUDA graphs), a server's too: a step
-    or a response it falls in stalls for as long as that scan takes. The objects stay collectable: freed by reference counting
-    as ever, and by the collector once the block ends."""
+    or a response it falls in stalls for as long as that scan takes. The objects stay collectable:
+    freed by reference counting as ever, and by the collector once the block ends."""
     gc.freeze()
     try:
         yield
