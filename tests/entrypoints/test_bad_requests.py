@@ -31,7 +31,7 @@ from micro_vllm.entrypoints.openai.serving import (
     _sse,
 )
 from micro_vllm.logprobs import Logprob
-from helpers.server import TINY_CHAT_SERVER, metric
+from helpers.server import TINY_CHAT_SERVER, metric, sse_data
 from helpers.tiny_models import VOCAB_SIZE
 
 MODEL = TINY_CHAT_SERVER.served_model_name
@@ -184,8 +184,8 @@ def test_logprobs_json_cannot_carry_are_sent_as_the_floor(http):
         for route, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
             response = http.post(route, json={**body, "stream": stream})
             assert response.status_code == 200, response.text
-            chunks = [json.loads(line[6:]) for line in response.text.splitlines()
-                      if line.startswith("data: {")] if stream else [response.json()]
+            chunks = [json.loads(data) for data in sse_data([response.text])
+                      if data.startswith("{")] if stream else [response.json()]
             for chunk in chunks:
                 for choice in chunk["choices"]:
                     values += _logprob_values(choice.get("logprobs"))
@@ -416,7 +416,7 @@ def check_response(response: httpx.Response) -> None:
         check_error(response, response.status_code)
         assert response.status_code < 500
     elif response.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        events = list(sse_data([response.text]))
         assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
     elif response.headers.get("content-type", "").startswith("application/json"):
         response.json()

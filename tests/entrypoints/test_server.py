@@ -26,7 +26,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.server import TINY_CHAT_SERVER, metric, spawned_by
+from helpers.server import TINY_CHAT_SERVER, metric, spawned_by, sse_data
 from helpers.tiny_models import BOS_TOKEN_ID
 
 API_KEY = TINY_CHAT_SERVER.api_key
@@ -425,7 +425,7 @@ def test_the_server_exits_when_its_engine_dies(one_slot_server):
     body = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=one_slot_server.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
-            events = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data:"))
+            events = sse_data(response.iter_text())
             assert "choices" in json.loads(next(events))
             [engine_pid] = spawned_by(one_slot_server.process.pid)
             os.kill(engine_pid, signal.SIGKILL)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -136,6 +137,18 @@ def _wait_until_healthy(server: ServerProcess, timeout: float) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"the server did not answer /health within {timeout} s:\n{server.output()[-5000:]}")
+
+
+def sse_data(texts: Iterable[str]) -> Iterator[str]:
+    """The data of each server-sent event in a stream's text, given in pieces, with its lines split as
+    the format splits them: at CR, LF or CRLF only. A JSON string in an event may hold U+2028 or U+0085
+    unescaped, where ``str.splitlines`` (and httpx's ``iter_lines``) would split it too."""
+    pending = ""
+    for text in texts:
+        *lines, pending = re.split(r"\r\n|\r|\n", pending + text)
+        yield from (line.removeprefix("data: ") for line in lines if line.startswith("data: "))
+    if pending.startswith("data: "):
+        yield pending.removeprefix("data: ")
 
 
 def metric(text: str, name: str, **labels: str) -> float:
