@@ -1,11 +1,12 @@
 """Time the Triton attention kernel under several tile shapes, on the benchmark model's shapes.
 
     python benchmarks/attention_sweep.py [--json results.jsonl] [--part decode] [--kv-cache-dtype fp8]
+        [--decode-tiles 128x4x3,64x2x3]
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
 100 to 2,047 tokens, the smaller batches of its long tail, whose contexts are longer, and the
 long-context workload's 32 requests of 8,000 to 8,511 tokens) under the
-decode tile shape, timed as layers run them (``write_and_attend``: the new keys join in the
+decode tile shape in use (or those of ``--decode-tiles``), timed as layers run them (``write_and_attend``: the new keys join in the
 attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
 per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
 1,024 tokens beside 64 decodes) under every prefill tile shape, attention alone, then steps of
@@ -147,12 +148,27 @@ def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split
     return rows
 
 
+def decode_tiles(text: str) -> list[Tiles]:
+    """``--decode-tiles``: comma-separated KEYSxWARPSxSTAGES, each a decode tile of 16 rows."""
+    tiles = []
+    for item in text.split(","):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{item!r} is not KEYSxWARPSxSTAGES (three positive integers, "
+                                             "as in 128x4x3)")
+        tiles.append(Tiles(16, *map(int, parts), True))
+    return tiles
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="append the results as one JSON line to this file")
     parser.add_argument("--part", choices=("all", "decode", "prefill"), default="all")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: auto (the query's, bf16) or fp8 (float8 e4m3)")
+    parser.add_argument("--decode-tiles", type=decode_tiles, default=DECODE_TILES, metavar="KEYSxWARPSxSTAGES,...",
+                        help="the decode tile shapes to time (16 rows each), e.g. 128x4x3,64x2x3; "
+                             "default: the one in use")
     args = parser.parse_args()
     rng = random.Random(0)
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
@@ -170,7 +186,7 @@ def main() -> None:
         # two splits were slower or within 1.1%.
         splits = SPLITS if num_reqs <= 64 else (None,)
         name = f"decode {num_reqs}" + (f" of {shortest:,}+" if shortest > 2047 else "")
-        rows += sweep(name, decode, DECODE_TILES, kv_bytes, "TB/s", splits)
+        rows += sweep(name, decode, args.decode_tiles, kv_bytes, "TB/s", splits)
 
     if args.part != "decode":
         query_lens = [1024] * 16 + [1] * 64

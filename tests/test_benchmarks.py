@@ -216,6 +216,15 @@ def test_results_table_has_a_row_per_measurement():
     assert len(table) == 10
 
 
+def test_attention_sweep_reads_decode_tiles_from_the_command_line():
+    import attention_sweep as sweep
+
+    assert sweep.decode_tiles("128x4x3,64x2x3") == [sweep.Tiles(16, 128, 4, 3, True), sweep.Tiles(16, 64, 2, 3, True)]
+    for bad in ("128x4", "128x4x0", "64xfourx3"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            sweep.decode_tiles(bad)
+
+
 def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatch):
     """The sweep's step builder, forced tile shapes and split counts, under the interpreter on a
     small step: a decode batch and a mixed one, each forced setting launched as asked and giving the
