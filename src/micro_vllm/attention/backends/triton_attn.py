@@ -556,10 +556,11 @@ def _num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_quer
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
-    # Aim at about two programs per SM (a bf16 decode program of head size 128 holds 72 KiB of K/V
-    # tiles in shared memory, by tests/helpers/hopper_compile.py), rounding the share of each pair up: with
-    # 2 * SMs or more (request, KV head) pairs, splitting only adds the merge, and more programs per
-    # SM only queue (benchmarks/attention_sweep.py; docs/benchmarks.md, "Attention kernel choices").
+    # Aim at about two programs per SM, as many as fit: a split decode program of head size 128 takes
+    # over a third of an SM's registers (tests/helpers/hopper_compile.py prints them). Round the share
+    # of each pair up: with 2 * SMs or more (request, KV head) pairs, splitting only adds the merge, and
+    # more programs per SM only queue (benchmarks/attention_sweep.py; docs/benchmarks.md, "Attention
+    # kernel choices").
     per_pair = -(-2 * _num_sms(device) // (num_reqs * num_kv_heads))
     if per_pair < 2:
         return 1
