@@ -5,9 +5,9 @@
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
 100 to 2,047 tokens, the smaller batches of its long tail, whose contexts are longer, and the
-long-context workload's 32 requests of 8,000 to 8,511 tokens) under the
-decode tile shape in use (or those of ``--decode-tiles``), timed as layers run them (``write_and_attend``: the new keys join in the
-attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
+long-context workload's 32 requests of 8,000 to 8,511 tokens) under the decode tile shape in use
+(or those of ``--decode-tiles``), timed as layers run them (``write_and_attend``: the new keys join
+in the attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
 per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
 1,024 tokens beside 64 decodes) under every prefill tile shape, attention alone, then steps of
 prompts alone of 512 to 8,000 tokens under the prefill, long-prefill and fp8 tiles. Decode batches

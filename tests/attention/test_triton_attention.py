@@ -166,7 +166,8 @@ def test_long_prompts_take_the_long_prefill_tiles() -> None:
     fp8 = build_step(long, kv_cache_dtype=torch.float8_e4m3fn)
     assert fp8.tiles == by_tma.tiles and fp8.kv_from_step and fp8.round_step_rows
     fp8_short = build_step([300, 1], kv_cache_dtype=torch.float8_e4m3fn)
-    assert tuple(fp8_short.tiles) == (64, 64, 4, 2, False, False) and fp8_short.kv_from_step and fp8_short.round_step_rows
+    assert tuple(fp8_short.tiles) == (64, 64, 4, 2, False, False)
+    assert fp8_short.kv_from_step and fp8_short.round_step_rows
     decodes = build_step([1, 1, 1])  # one program per request, the new K/V stored by the launch
     assert tuple(decodes.tiles) == (16, 128, 4, 3, True, False) and decodes.num_query_blocks == 3
     assert decodes.write_kv_in_launch and not decodes.kv_from_step and decodes.decode_order is not None

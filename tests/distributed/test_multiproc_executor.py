@@ -116,7 +116,6 @@ def test_a_worker_never_outlives_its_parent(model_dir, tmp_path):
     assert not process_running(worker_pid)
 
 
-
 def test_a_worker_process_freezes_its_heap_once_started():
     """A rank's process is the engine's for good: once its KV cache is set up (start-up's last call:
     the warm-up and the CUDA graphs are in it), what start-up made leaves the collector's scans."""

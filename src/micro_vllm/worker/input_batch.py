@@ -72,17 +72,18 @@ class TokenCounts:
     add hundreds, and a few launches for all of them cost less than a few each), and each step's
     sampled tokens are counted on the device."""
 
+    COUNT_DTYPE, MASK_DTYPE = torch.int32, torch.bool
+
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
-        # nbytes() counts these two tensors.
-        self.output = torch.zeros((max_num_reqs, vocab_size), dtype=torch.int32, device=device)
-        self.prompt_mask = torch.zeros((max_num_reqs, vocab_size), dtype=torch.bool, device=device)
+        self.output = torch.zeros((max_num_reqs, vocab_size), dtype=self.COUNT_DTYPE, device=device)
+        self.prompt_mask = torch.zeros((max_num_reqs, vocab_size), dtype=self.MASK_DTYPE, device=device)
         self.to_rebuild: dict[int, tuple[np.ndarray, int]] = {}  # row -> (its token ids, how many are the prompt's)
 
     @staticmethod
     def nbytes(max_num_reqs: int, vocab_size: int) -> int:
         """The device memory a ``TokenCounts(max_num_reqs, vocab_size)`` takes."""
-        return max_num_reqs * vocab_size * (torch.int32.itemsize + torch.bool.itemsize)
+        return max_num_reqs * vocab_size * (TokenCounts.COUNT_DTYPE.itemsize + TokenCounts.MASK_DTYPE.itemsize)
 
     def reset_row(self, row: int, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         """Give ``row`` these tokens at the next ``rebuild``."""

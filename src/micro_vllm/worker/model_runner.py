@@ -126,8 +126,8 @@ class ModelRunner:
 
     def on_demand_bytes(self) -> int:
         """The device memory the runner allocates only when a request first needs it, which the KV
-        cache's sizing must leave free: the penalties' token counts (``TokenCounts``, for every
-        request slot: about 0.8 GB for a 151,936-token vocabulary and 1,024 slots)."""
+        cache's sizing must leave free: the penalties' token counts (``TokenCounts``, a row of the
+        vocabulary for every request slot)."""
         return TokenCounts.nbytes(self.settings.max_num_seqs, self.vocab_size)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
