@@ -1,12 +1,12 @@
 """Time the Triton attention kernel under several tile shapes, on the benchmark model's shapes.
 
     python benchmarks/attention_sweep.py [--json results.jsonl] [--part decode] [--kv-cache-dtype fp8]
-        [--decode-tiles 128x4x3,64x2x3]
+        [--decode-tiles 128x4x3,64x2x3,128x4x3x168]
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
 100 to 2,047 tokens, the smaller batches of its long tail, whose contexts are longer, and the
-long-context workload's 32 requests of 8,000 to 8,511 tokens) under the decode tile shape in use
-(or those of ``--decode-tiles``), timed as layers run them (``write_and_attend``: the new keys join
+long-context workload's 32 requests of 8,000 to 8,511 tokens) under the decode tiles in use (or
+those of ``--decode-tiles``, with a cap on an unsplit program's registers as a fourth number), timed as layers run them (``write_and_attend``: the new keys join
 in the attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
 per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
 1,024 tokens beside 64 decodes) under every prefill tile shape, attention alone, then steps of
@@ -34,10 +34,6 @@ from micro_vllm.attention.backends.abstract import CommonAttentionMetadata, to_c
 from micro_vllm.attention.spec import AttentionSpec
 
 Tiles = triton_attn._Tiles
-# The decode shape in use: narrower key tiles, 8 warps and five stages (where the compiler keeps two K
-# and two V buffers) were slower, other page sizes and layouts no faster (docs/benchmarks.md,
-# "Attention kernel choices").
-DECODE_TILES = [Tiles(16, 128, 4, 3, True)]
 PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(64, 32, 4, 3, False),
                  Tiles(64, 16, 4, 2, False), Tiles(32, 32, 4, 2, False), Tiles(32, 64, 4, 2, False),
                  Tiles(128, 32, 8, 2, False), Tiles(128, 32, 4, 2, False), Tiles(128, 64, 8, 3, False),
@@ -142,21 +138,24 @@ def sweep(name: str, step, tile_list: list[Tiles], work: float, unit: str, split
             rows.append({"batch": name, "tiles": tiles._asdict(), "splits": num_splits, "ms": ms, unit: rate,
                          "max_abs_diff": error})
             tma = " tma" if tiles.step_kv_tma else ""
+            cap = f" registers {tiles.max_registers}" if tiles.max_registers else ""
             print(f"{name:10s} rows {tiles.block_m:3d} keys {tiles.tile_n:3d} warps {tiles.num_warps} stages "
-                  f"{tiles.num_stages}{tma} splits {num_splits or 'auto'}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  "
+                  f"{tiles.num_stages}{tma}{cap} splits {num_splits or 'auto'}: {1000 * ms:8.1f} us  {rate:7.2f} {unit}  "
                   f"max |diff| {error:.1e}")
     return rows
 
 
 def decode_tiles(text: str) -> list[Tiles]:
-    """``--decode-tiles``: comma-separated KEYSxWARPSxSTAGES, each a decode tile of 16 rows."""
+    """``--decode-tiles``: comma-separated KEYSxWARPSxSTAGES[xREGISTERS], each a decode tile of 16
+    rows, REGISTERS a cap on an unsplit program's registers a thread."""
     tiles = []
     for item in text.split(","):
         parts = item.split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"{item!r} is not KEYSxWARPSxSTAGES (three positive integers, "
-                                             "as in 128x4x3)")
-        tiles.append(Tiles(16, *map(int, parts), True))
+        if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{item!r} is not KEYSxWARPSxSTAGES[xREGISTERS] (three or four "
+                                             "positive integers, as in 128x4x3 or 128x4x3x168)")
+        keys, warps, stages, *registers = map(int, parts)
+        tiles.append(Tiles(16, keys, warps, stages, True, max_registers=registers[0] if registers else None))
     return tiles
 
 
@@ -166,12 +165,17 @@ def main() -> None:
     parser.add_argument("--part", choices=("all", "decode", "prefill"), default="all")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: auto (the query's, bf16) or fp8 (float8 e4m3)")
-    parser.add_argument("--decode-tiles", type=decode_tiles, default=DECODE_TILES, metavar="KEYSxWARPSxSTAGES,...",
-                        help="the decode tile shapes to time (16 rows each), e.g. 128x4x3,64x2x3; "
-                             "default: the one in use")
+    parser.add_argument("--decode-tiles", type=decode_tiles, metavar="KEYSxWARPSxSTAGES[xREGISTERS],...",
+                        help="the decode tiles to time (16 rows each), e.g. 128x4x3,64x2x3,128x4x3x168; "
+                             "default: the ones in use")
     args = parser.parse_args()
     rng = random.Random(0)
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    # In use: narrower key tiles, 8 warps and five stages (where the compiler keeps two K and two V
+    # buffers) were slower, other page sizes and layouts no faster (docs/benchmarks.md, "Attention
+    # kernel choices").
+    tile_list = args.decode_tiles or [triton_attn._pick_tiles(1, NUM_HEADS // NUM_KV_HEADS, HEAD_SIZE,
+                                                              fp8_cache=args.kv_cache_dtype == "fp8")]
 
     rows = []
     # (requests, shortest and longest context): the recipe's batches, then the long-context
@@ -186,7 +190,7 @@ def main() -> None:
         # two splits were slower or within 1.1%.
         splits = SPLITS if num_reqs <= 64 else (None,)
         name = f"decode {num_reqs}" + (f" of {shortest:,}+" if shortest > 2047 else "")
-        rows += sweep(name, decode, args.decode_tiles, kv_bytes, "TB/s", splits)
+        rows += sweep(name, decode, tile_list, kv_bytes, "TB/s", splits)
 
     if args.part != "decode":
         query_lens = [1024] * 16 + [1] * 64

@@ -219,8 +219,9 @@ def test_results_table_has_a_row_per_measurement():
 def test_attention_sweep_reads_decode_tiles_from_the_command_line():
     import attention_sweep as sweep
 
-    assert sweep.decode_tiles("128x4x3,64x2x3") == [sweep.Tiles(16, 128, 4, 3, True), sweep.Tiles(16, 64, 2, 3, True)]
-    for bad in ("128x4", "128x4x0", "64xfourx3"):
+    assert sweep.decode_tiles("128x4x3,64x2x3,128x4x3x168") == [
+        sweep.Tiles(16, 128, 4, 3, True), sweep.Tiles(16, 64, 2, 3, True), sweep.Tiles(16, 128, 4, 3, True, max_registers=168)]
+    for bad in ("128x4", "128x4x0", "64xfourx3", "128x4x3x168x2"):
         with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
             sweep.decode_tiles(bad)
 
@@ -245,7 +246,8 @@ def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatc
 
     def launched_tiles():
         k = launches[-1]
-        return (k["BLOCK_M"], k["TILE_N"], k["num_warps"], k["num_stages"], k["ONE_QBLOCK_PER_REQ"], k["STEP_KV_TMA"])
+        return (k["BLOCK_M"], k["TILE_N"], k["num_warps"], k["num_stages"], k["ONE_QBLOCK_PER_REQ"], k["STEP_KV_TMA"],
+                k["maxnreg"])
 
     pick = triton_attn._pick_tiles
     for query_lens, context_lens, tiles in (([1, 1, 1], [20, 45, 3], sweep.Tiles(16, 64, 4, 3, True)),

@@ -150,14 +150,14 @@ def test_long_prompts_take_the_long_prefill_tiles() -> None:
     cache: the step's rows by TMA, and twice the keys a step, only where TMA can copy them."""
     long = [triton_attn._LONG_QUERY, 1]
     by_tma = build_step(long)
-    assert tuple(by_tma.tiles) == (128, 128, 8, 3, False, True) and by_tma.kv_from_step and not by_tma.round_step_rows
+    assert tuple(by_tma.tiles) == (128, 128, 8, 3, False, True, None) and by_tma.kv_from_step and not by_tma.round_step_rows
     assert by_tma.num_query_blocks == (triton_attn._LONG_QUERY + 1) // 64 + 2  # 64 query tokens of 2 heads
     # Heads of 12 bf16 channels are 24 bytes: no TMA, and the 64 keys a step that fit without it.
-    assert tuple(build_step(long, head_size=12).tiles) == (128, 64, 8, 3, False, False)
+    assert tuple(build_step(long, head_size=12).tiles) == (128, 64, 8, 3, False, False, None)
     fp32 = build_step(long, kv_cache_dtype=torch.float32)  # shared memory; ptxas and two stages
-    assert tuple(fp32.tiles) == (128, 64, 8, 2, False, False) and fp32.kv_from_step
+    assert tuple(fp32.tiles) == (128, 64, 8, 2, False, False, None) and fp32.kv_from_step
     shorter = build_step([triton_attn._LONG_QUERY - 1, 1])
-    assert tuple(shorter.tiles) == (64, 32, 4, 2, False, False) and shorter.kv_from_step
+    assert tuple(shorter.tiles) == (64, 32, 4, 2, False, False, None) and shorter.kv_from_step
     assert build_step(long, num_heads=32).tiles.block_m == 128  # 8 queries of 16 heads
     wide = build_step(long, head_size=256)  # wide heads keep theirs, and read every key through the pages
     assert wide.tiles.block_m == 64 and not wide.tiles.step_kv_tma and not wide.kv_from_step
@@ -166,13 +166,16 @@ def test_long_prompts_take_the_long_prefill_tiles() -> None:
     fp8 = build_step(long, kv_cache_dtype=torch.float8_e4m3fn)
     assert fp8.tiles == by_tma.tiles and fp8.kv_from_step and fp8.round_step_rows
     fp8_short = build_step([300, 1], kv_cache_dtype=torch.float8_e4m3fn)
-    assert tuple(fp8_short.tiles) == (64, 64, 4, 2, False, False)
+    assert tuple(fp8_short.tiles) == (64, 64, 4, 2, False, False, None)
     assert fp8_short.kv_from_step and fp8_short.round_step_rows
     decodes = build_step([1, 1, 1])  # one program per request, the new K/V stored by the launch
-    assert tuple(decodes.tiles) == (16, 128, 4, 3, True, False) and decodes.num_query_blocks == 3
+    assert tuple(decodes.tiles) == (16, 128, 4, 3, True, False, None) and decodes.num_query_blocks == 3
     assert decodes.write_kv_in_launch and not decodes.kv_from_step and decodes.decode_order is not None
-    # fp8 decodes store their K/V in the attention launch: no rows to round
-    assert not build_step([1, 1, 1], kv_cache_dtype=torch.float8_e4m3fn).round_step_rows
+    # fp8 decodes store their K/V in the attention launch: no rows to round. Their unsplit programs are
+    # capped at 168 registers, three an SM (heads up to 128: wider ones would spill).
+    fp8_decodes = build_step([1, 1, 1], kv_cache_dtype=torch.float8_e4m3fn)
+    assert not fp8_decodes.round_step_rows and fp8_decodes.tiles == decodes.tiles._replace(max_registers=168)
+    assert build_step([1, 1, 1], head_size=256, kv_cache_dtype=torch.float8_e4m3fn).tiles.max_registers is None
 
 
 @pytest.mark.parametrize("window", [None, 6])

@@ -38,7 +38,7 @@ from micro_vllm.sampling.logits_processors import Penalties  # noqa: E402
 H200 = GPUTarget("cuda", 90, 32)
 MAX_SHARED_MEMORY = 232_448  # bytes a block may use on sm_90 (227 KiB)
 MAX_STACK_BYTES = 64  # a few bytes of stack frame are not spills (the decode kernel has 8)
-OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
 # Constexprs the wrappers derive from the tensors' device: the values a CUDA launch passes.
 ON_CUDA = {"MEAN_BY_DIVISION": False}
 compiled: set[tuple] = set()
@@ -166,7 +166,8 @@ def main() -> int:
     for head_size, num_splits in ((12, 1), (80, 4), (256, 1)):
         attention_launches(torch.bfloat16, 2, None, num_splits, head_size=head_size)
     attention_launches(torch.float32, 2, None, 1)  # fp32 dots ("ieee") take another code path
-    attention_launches(torch.bfloat16, 2, None, 4, kv_cache_dtype=torch.float8_e4m3fn)  # kv_cache_dtype="fp8"
+    for head_size, num_splits in ((128, 1), (128, 4), (256, 1)):  # kv_cache_dtype="fp8": unsplit decodes capped
+        attention_launches(torch.bfloat16, 2, None, num_splits, head_size=head_size, kv_cache_dtype=torch.float8_e4m3fn)
     for dtype in (torch.bfloat16, torch.float32):  # the logits' dtype (fp32: scaled by the Sampler for top-k)
         for threshold in (None, torch.zeros(4, 1)):  # without a filter, and with top-k / top-p
             triton_sampler.sample(torch.zeros(4, 151936, dtype=dtype), torch.ones(4), torch.zeros(4, dtype=torch.int64),

@@ -576,6 +576,7 @@ class _Tiles(NamedTuple):
     # search. Prefill tiles always take the general path: one compiled variant for every prefill.
     one_qblock_per_req: bool
     step_kv_tma: bool = False  # this step's K/V rows come through tensor descriptors (TMA)
+    max_registers: int | None = None  # a cap on an unsplit program's registers a thread (Triton's maxnreg)
 
 
 def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False,
@@ -587,10 +588,16 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
     rows are in the query's dtype at addresses and strides TMA can copy (the builder's rule).
     """
     if max_query_len * group <= 16:  # then max_query_len <= 16 // group, the tile's query tokens
-        # Heads wider than 128 take half as many keys per step: 128 keys of 256 channels spill
-        # registers on sm_90 (tests/helpers/hopper_compile.py).
-        tile_n = 128 if _head_pad(head_size) <= 128 else 64
-        return _Tiles(16, tile_n, 4, 3, one_qblock_per_req=True)
+        if _head_pad(head_size) > 128:
+            # Wider heads take half as many keys per step: 128 keys of 256 channels spill registers
+            # on sm_90 (tests/helpers/hopper_compile.py).
+            return _Tiles(16, 64, 4, 3, one_qblock_per_req=True)
+        # A 16-bit model's program on an fp8 cache widens its K/V tiles in registers: it takes 249 a
+        # thread, two programs an SM. Capped at 168, three fit, and a batch that fills the SMs runs 10%
+        # faster (256 decodes) though each program is slower; split batches leave SMs idle anyway, so
+        # their programs are not capped (docs/benchmarks.md, "Attention kernel choices").
+        capped = fp8_cache and not fp32
+        return _Tiles(16, 128, 4, 3, one_qblock_per_req=True, max_registers=168 if capped else None)
     rows = max(64, triton.next_power_of_2(group))
     if _head_pad(head_size) <= 128:  # wider heads fill the registers with the tile below already
         # Long prompts take twice the rows on two warpgroups and 64 keys a step: each K/V tile then
@@ -867,6 +874,7 @@ class TritonBackend(AttentionBackend):
             STEP_KV_TMA=tiles.step_kv_tma,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
+            maxnreg=tiles.max_registers if num_splits == 1 else None,
         )
         if num_splits > 1:
             _merge_splits_kernel[(query.shape[0], query.shape[1])](
