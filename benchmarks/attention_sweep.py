@@ -1,11 +1,11 @@
 """Time the Triton attention kernel under several tile shapes, on the benchmark model's shapes.
 
     python benchmarks/attention_sweep.py [--json results.jsonl] [--part decode] [--kv-cache-dtype fp8]
-        [--decode-tiles 128x4x3,64x2x3,128x4x3x168]
+        [--decode-tiles 128x4x3,64x2x3,128x4x3x168] [--decode-batches 20x8000-8511,32x800-2047]
 
 Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
 100 to 2,047 tokens, the smaller batches of its long tail, whose contexts are longer, and the
-long-context workload's 32 requests of 8,000 to 8,511 tokens) under the decode tiles in use (or
+long-context workload's 32 requests of 8,000 to 8,511 tokens; or those of ``--decode-batches``) under the decode tiles in use (or
 those of ``--decode-tiles``, with a cap on an unsplit program's registers as a fourth number), timed as layers run them (``write_and_attend``: the new keys join
 in the attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
 per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
@@ -48,7 +48,7 @@ LONG_PREFILL_STEPS = ((16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8000), (2,
 LONG_PREFILL_TILES = [Tiles(64, 32, 4, 2, False), Tiles(64, 64, 4, 2, False), Tiles(128, 64, 8, 3, False),
                       Tiles(128, 64, 8, 2, False), Tiles(128, 128, 8, 2, False), Tiles(128, 32, 8, 2, False),
                       Tiles(128, 64, 8, 3, False, True), Tiles(128, 128, 8, 3, False, True)]
-SPLITS = [None, 1, 2, 4, 8]  # 16 splits were slower at every batch size from 8 to 128 requests
+SPLITS = [None, 1, 2, 3, 4, 6, 8]  # 16 splits were slower at every batch size from 8 to 128 requests
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
 
@@ -159,6 +159,21 @@ def decode_tiles(text: str) -> list[Tiles]:
     return tiles
 
 
+def decode_batches(text: str) -> list[tuple[int, int, int]]:
+    """``--decode-batches``: comma-separated REQUESTSxSHORTEST-LONGEST, each a decode batch whose
+    contexts are drawn from [SHORTEST, LONGEST] tokens."""
+    batches = []
+    for item in text.split(","):
+        requests, _, lengths = item.partition("x")
+        shortest, _, longest = lengths.partition("-")
+        fields = (requests, shortest, longest)
+        if not all(f.isdigit() and int(f) > 0 for f in fields) or int(shortest) > int(longest):
+            raise argparse.ArgumentTypeError(f"{item!r} is not REQUESTSxSHORTEST-LONGEST (positive integers, "
+                                             "SHORTEST <= LONGEST, as in 32x8000-8511)")
+        batches.append(tuple(map(int, fields)))
+    return batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="append the results as one JSON line to this file")
@@ -168,6 +183,9 @@ def main() -> None:
     parser.add_argument("--decode-tiles", type=decode_tiles, metavar="KEYSxWARPSxSTAGES[xREGISTERS],...",
                         help="the decode tiles to time (16 rows each), e.g. 128x4x3,64x2x3,128x4x3x168; "
                              "default: the ones in use")
+    parser.add_argument("--decode-batches", type=decode_batches, metavar="REQUESTSxSHORTEST-LONGEST,...",
+                        help="the decode batches to time, e.g. 20x8000-8511 (20 requests of 8,000 to 8,511 "
+                             "tokens); default: the recipe's and the long-context workload's")
     args = parser.parse_args()
     rng = random.Random(0)
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
@@ -180,9 +198,9 @@ def main() -> None:
     rows = []
     # (requests, shortest and longest context): the recipe's batches, then the long-context
     # workload's decodes (benchmarks/workloads.py: 8,000-token prompts, up to 512 tokens out).
-    decode_batches = ((256, 100, 2047), (128, 500, 2047), (64, 800, 2047), (32, 800, 2047), (16, 800, 2047),
-                      (8, 800, 2047), (32, 8000, 8511))
-    for num_reqs, shortest, longest in decode_batches if args.part != "prefill" else ():
+    batches = args.decode_batches or [(256, 100, 2047), (128, 500, 2047), (64, 800, 2047), (32, 800, 2047),
+                                      (16, 800, 2047), (8, 800, 2047), (32, 8000, 8511)]
+    for num_reqs, shortest, longest in batches if args.part != "prefill" else ():
         contexts = [rng.randint(shortest, longest) for _ in range(num_reqs)]
         decode = make_step([1] * num_reqs, contexts, "cuda", cache_dtype=cache_dtype)
         kv_bytes = sum(c + 1 for c in contexts) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache_dtype.itemsize  # K and V

@@ -216,7 +216,7 @@ def test_results_table_has_a_row_per_measurement():
     assert len(table) == 10
 
 
-def test_attention_sweep_reads_decode_tiles_from_the_command_line():
+def test_attention_sweep_reads_decode_tiles_and_batches_from_the_command_line():
     import attention_sweep as sweep
 
     assert sweep.decode_tiles("128x4x3,64x2x3,128x4x3x168") == [
@@ -224,6 +224,10 @@ def test_attention_sweep_reads_decode_tiles_from_the_command_line():
     for bad in ("128x4", "128x4x0", "64xfourx3", "128x4x3x168x2"):
         with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
             sweep.decode_tiles(bad)
+    assert sweep.decode_batches("20x8000-8511,8x800-800") == [(20, 8000, 8511), (8, 800, 800)]
+    for bad in ("20x8000", "20-8000-8511", "0x800-900", "20x900-800", "20x8e3-9000"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            sweep.decode_batches(bad)
 
 
 def test_attention_sweep_forces_each_tile_shape_and_keeps_the_outputs(monkeypatch):
