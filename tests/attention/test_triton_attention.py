@@ -531,6 +531,12 @@ class TestOnGpu:
         check_write_and_attend(mixed, 256)
         decodes = make_batch(rng, [(1, rng.randint(1000, 3000)) for _ in range(4)], **shape)
         check_write_and_attend(decodes, None)
+        # Enough decodes to fill the SMs without splits: the programs under their register cap.
+        num_reqs = 2 * triton_attn._num_sms(torch.device(DEVICE)) // 8 + 1  # 8 KV heads
+        unsplit = make_batch(rng, [(1, rng.randint(100, 900)) for _ in range(num_reqs)], **shape)
+        metadata = triton_metadata(unsplit)
+        assert metadata.num_splits == 1 and metadata.tiles.max_registers == 168
+        check_write_and_attend(unsplit, None)
 
     @pytest.mark.parametrize("num_reqs", [1, 4, 8])
     def test_few_long_decodes_split_kv(self, rng: random.Random, num_reqs: int) -> None:
