@@ -3,20 +3,20 @@
     python benchmarks/attention_sweep.py [--json results.jsonl] [--part decode] [--kv-cache-dtype fp8]
         [--decode-tiles 128x4x3,64x2x3,128x4x3x168] [--decode-batches 20x8000-8511,32x800-2047]
 
-Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of
-100 to 2,047 tokens, the smaller batches of its long tail, whose contexts are longer, and the
-long-context workload's 32 requests of 8,000 to 8,511 tokens; or those of ``--decode-batches``) under the decode tiles in use (or
-those of ``--decode-tiles``, with a cap on an unsplit program's registers as a fourth number), timed as layers run them (``write_and_attend``: the new keys join
-in the attention launch), the batches of 64 or fewer under every split count too (flash-decoding programs
-per request and KV head; "auto" is the backend's own choice); and a prefill step (16 prompts of
-1,024 tokens beside 64 decodes) under every prefill tile shape, attention alone, then steps of
-prompts alone of 512 to 8,000 tokens under the prefill, long-prefill and fp8 tiles. Decode batches
-come in the runner's order (``decode_order``, longest context first).
-Qwen3-0.6B's attention: 16 query heads, 8 KV heads of 128, bf16, pages in random order. Each tile
-shape is checked against the backend's own choice (same outputs up to bf16 rounding) and timed as
-CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as the engine runs decodes: timed
-as eager calls, batches of 64 requests or fewer measure the host's launch overhead.
-Decode reports K/V read in TB/s, prefill TFLOP/s. ``--kv-cache-dtype fp8`` stores the cache in
+Decode batches of 256 down to 8 requests (one query each; the recipe's full batch with contexts of 100
+to 2,047 tokens, the smaller batches of its long tail, whose contexts are longer, and the long-context
+workload's 32 requests of 8,000 to 8,511 tokens; or those of ``--decode-batches``) under the decode
+tiles in use (or those of ``--decode-tiles``, with a cap on an unsplit program's registers as a fourth
+number), timed as layers run them (``write_and_attend``: the new keys join in the attention launch), the
+batches of 64 or fewer under every split count too (flash-decoding programs per request and KV head;
+"auto" is the backend's own choice); and a prefill step (16 prompts of 1,024 tokens beside 64 decodes)
+under every prefill tile shape, attention alone, then steps of prompts alone of 512 to 8,000 tokens
+under the prefill, long-prefill and fp8 tiles. Decode batches come in the runner's order
+(``decode_order``, longest context first). Qwen3-0.6B's attention: 16 query heads, 8 KV heads of 128,
+bf16, pages in random order. Each tile shape is checked against the backend's own choice (same outputs
+up to bf16 rounding) and timed as CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), as
+the engine runs decodes: timed as eager calls, batches of 64 requests or fewer measure the host's launch
+overhead. Decode reports K/V read in TB/s, prefill TFLOP/s. ``--kv-cache-dtype fp8`` stores the cache in
 float8 e4m3 (as ``kv_cache_dtype="fp8"`` does), so decode reads half the bytes.
 ``tests/helpers/hopper_compile.py`` reports each shape's registers and spills without a GPU.
 """
