@@ -178,6 +178,14 @@ def test_long_prompts_take_the_long_prefill_tiles() -> None:
     assert build_step([1, 1, 1], head_size=256, kv_cache_dtype=torch.float8_e4m3fn).tiles.max_registers is None
 
 
+def test_split_fp8_decodes_drop_the_register_cap(monkeypatch) -> None:
+    """The cap lets more programs share an SM, which pays only where they fill the SMs: a decode step
+    that splits launches its programs uncapped."""
+    monkeypatch.setattr(triton_attn, "_num_splits", lambda *args: 2)
+    split = build_step([1, 1, 1], kv_cache_dtype=torch.float8_e4m3fn)
+    assert split.num_splits == 2 and split.tiles.max_registers is None
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_only_and_single_request(rng: random.Random, monkeypatch, window: int | None) -> None:
     use_small_tiles(monkeypatch)

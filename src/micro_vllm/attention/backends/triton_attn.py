@@ -576,7 +576,7 @@ class _Tiles(NamedTuple):
     # search. Prefill tiles always take the general path: one compiled variant for every prefill.
     one_qblock_per_req: bool
     step_kv_tma: bool = False  # this step's K/V rows come through tensor descriptors (TMA)
-    max_registers: int | None = None  # a cap on an unsplit program's registers a thread (Triton's maxnreg)
+    max_registers: int | None = None  # a cap on a program's registers a thread (Triton's maxnreg)
 
 
 def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool = False,
@@ -594,8 +594,8 @@ def _pick_tiles(max_query_len: int, group: int, head_size: int, fp8_cache: bool 
             return _Tiles(16, 64, 4, 3, one_qblock_per_req=True)
         # A 16-bit model's program on an fp8 cache widens its K/V tiles in registers: it takes 249 a
         # thread, two programs an SM. Capped at 168, three fit, and a batch that fills the SMs runs 10%
-        # faster (256 decodes) though each program is slower; split batches leave SMs idle anyway, so
-        # their programs are not capped (docs/benchmarks.md, "Attention kernel choices").
+        # faster (256 decodes) though each program is slower; the builder drops the cap where a batch
+        # splits, as it leaves SMs idle anyway (docs/benchmarks.md, "Attention kernel choices").
         capped = fp8_cache and not fp32
         return _Tiles(16, 128, 4, 3, one_qblock_per_req=True, max_registers=168 if capped else None)
     rows = max(64, triton.next_power_of_2(group))
@@ -704,13 +704,16 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
                 f"a step of {num_tokens} tokens needs {num_query_blocks} query blocks; at most {_MAX_GRID_Y} fit a grid"
             )
         decodes = one_qblock and common.num_actual_tokens == num_reqs
+        num_splits = _num_splits(self.device, num_reqs, shape.num_kv_heads, max_query_len)
+        if num_splits > 1:  # a register cap pays only where the programs fill the SMs (_pick_tiles)
+            tiles = tiles._replace(max_registers=None)
         # The decode tiles take no second key loop: it would get pipeline buffers of its own,
         # doubling their shared memory (fp32 heads of 128 then overflow an H200 block).
         kv_from_step = self.kv_from_step and not one_qblock
         return TritonAttentionMetadata(
             common, shape, tiles,
             num_query_blocks=num_query_blocks if num_reqs and num_tokens else 0,  # 0: no launch
-            num_splits=_num_splits(self.device, num_reqs, shape.num_kv_heads, max_query_len),
+            num_splits=num_splits,
             write_kv_in_launch=max_query_len == 1,
             kv_from_step=kv_from_step,
             round_step_rows=kv_from_step and self.fp8_cache,
@@ -874,7 +877,7 @@ class TritonBackend(AttentionBackend):
             STEP_KV_TMA=tiles.step_kv_tma,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
-            maxnreg=tiles.max_registers if num_splits == 1 else None,
+            maxnreg=tiles.max_registers,
         )
         if num_splits > 1:
             _merge_splits_kernel[(query.shape[0], query.shape[1])](
