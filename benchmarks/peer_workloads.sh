@@ -8,6 +8,9 @@
 # workloads (default: shared-prefix long-context); KV_CACHE_DTYPE (auto or fp8, default auto) sets both
 # engines' KV cache dtype. The recipe with fp8 caches on both engines:
 #   WORKLOADS=recipe MAX_MODEL_LEN=4096 KV_CACHE_DTYPE=fp8 bash benchmarks/peer_workloads.sh MODEL_DIR
+# NUM_REQUESTS gives every workload that many requests on both engines (default: each workload's own);
+# long-context at 24 requests:
+#   WORKLOADS=long-context NUM_REQUESTS=24 bash benchmarks/peer_workloads.sh MODEL_DIR
 # SAMPLING, a JSON list of settings (SamplingParams fields added to every request; default '[{}]',
 # temperature alone), runs each workload under each setting on both engines: vLLM all of them in its
 # one process, micro-vLLM one process per workload and setting. Top-p alone and penalties on the recipe:
@@ -29,6 +32,7 @@ WORKLOADS=${WORKLOADS:-shared-prefix long-context}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8512}  # the long-context workload's 8,000 prompt tokens + 512 output tokens
 KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-auto}
 SAMPLING=${SAMPLING:-'[{}]'}
+requests=(${NUM_REQUESTS:+--num-requests $NUM_REQUESTS})
 # One setting a line, for throughput.py; a SAMPLING that is not JSON objects stops here.
 SETTINGS=$(cd benchmarks && python3 -c 'import json, sys, workloads
 print("\n".join(json.dumps(s) for s in workloads.sampling_settings(sys.argv[1])))' "$SAMPLING") || exit 2
@@ -38,7 +42,7 @@ print("\n".join(json.dumps(s) for s in workloads.sampling_settings(sys.argv[1]))
 if [ "$WORKLOADS" = latency ]; then
   vllm_args=(--latency)
 else
-  vllm_args=(--workload $WORKLOADS --repeat 2 --max-model-len $MAX_MODEL_LEN --sampling-params "$SAMPLING")
+  vllm_args=(--workload $WORKLOADS --repeat 2 --max-model-len $MAX_MODEL_LEN --sampling-params "$SAMPLING" "${requests[@]}")
 fi
 PYTHONPATH=$VLLM_PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout $(( $(left) < 300 ? $(left) : 300 )) \
   python3 benchmarks/vllm_workloads.py --model "$MODEL" --kv-cache-dtype $KV_CACHE_DTYPE "${vllm_args[@]}" \
@@ -63,7 +67,7 @@ for i in "${!runs[@]}"; do  # the time left is shared out evenly among the runs 
   workload=${runs[$i]%% *}; setting=${runs[$i]#* }
   log="$OUT/ours_${workload}_$i.log"
   PYTHONPATH="$OURS_PYTHONPATH" timeout $(( ($(left) - 5) / (${#runs[@]} - i) )) \
-    python3 benchmarks/throughput.py --model "$MODEL" --workload "$workload" --repeat 2 \
+    python3 benchmarks/throughput.py --model "$MODEL" --workload "$workload" --repeat 2 "${requests[@]}" \
     --max-model-len $MAX_MODEL_LEN --kv-cache-dtype $KV_CACHE_DTYPE --sampling-params "$setting" > "$log" 2>&1
   echo "== micro-vllm $workload $setting rc=$? ($(( $(date +%s) - T0 ))s into the run)"
   grep -E "^workload|^micro-vllm|Traceback|Error" "$log" | cut -c1-400 | tail -6

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=["recipe"])
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of each workload")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests of each workload (throughput.py's option; default: the workload's own)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the largest of the workloads'")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's option: auto (the model's dtype) or fp8")
     parser.add_argument("--sampling-params", type=sampling_settings, action="append", metavar="JSON",
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
-    workloads = {} if args.latency else {name: make_workload(name) for name in args.workload}
+    workloads = {} if args.latency else {name: make_workload(name, args.num_requests) for name in args.workload}
     if args.max_model_len:
         max_model_len = args.max_model_len
     else:

@@ -406,6 +406,20 @@ def test_vllm_workloads_runs_each_workload_from_an_empty_prefix_cache(monkeypatc
     assert all(r["sampling"] == {} for r in results[1:])
 
 
+def test_vllm_workloads_takes_throughputs_number_of_requests(monkeypatch, capsys):
+    """``--num-requests`` gives vLLM the requests throughput.py's option gives micro-vLLM."""
+    import json
+
+    import vllm_workloads
+    import workloads
+
+    calls = fake_vllm(monkeypatch)
+    vllm_workloads.main(["--model", "/m", "--workload", "long-context", "--num-requests", "24"])
+    assert calls[3][1] == workloads.make_workload("long-context", 24).prompts == workloads.long_context(24).prompts
+    results = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["requests"], r["output_tokens"]) for r in results[1:]] == [(24, 24 * 512)]
+
+
 def test_vllm_workloads_runs_each_sampling_setting_as_throughput_does(monkeypatch, capsys, tmp_path):
     """``--sampling-params``, repeatable, each a JSON object or a list of them: every workload runs
     under each setting in turn, its fields on every request over the recipe's (a seed becomes seed + i
