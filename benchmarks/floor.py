@@ -4,6 +4,7 @@ move through HBM at the GPU's copy rate and the matmul work it must do at the GP
     python benchmarks/floor.py                                   # every workload, the bench model, documented rates
     python benchmarks/floor.py --model DIR --kv-cache-dtype fp8 --workload long-context
     python benchmarks/floor.py --measure --measured recipe=TOKS_PER_S   # rates measured on a CUDA GPU
+    python benchmarks/floor.py --workload latency                # the latency batches' TTFT and TPOT floors
 
 What it counts, a lower bound for every engine (``workloads.py`` ignores EOS, so lengths are known):
 - K/V (a token's K and V over all layers): each output token costs its request's whole context once.
@@ -21,6 +22,9 @@ What it counts, a lower bound for every engine (``workloads.py`` ignores EOS, so
 - Compute: the linear layers' 2 x params x tokens through them, the LM head's on the sampled tokens
   only, and attention's QK and PV over the causal (query, key) pairs.
 The floor is the larger of the memory time and the compute time; the ceiling is output tokens over it.
+``latency`` is the latency batches (1, 8 and 64 prompts of 512 tokens, 128 output tokens each): its
+TTFT floor is the prefill step's, its TPOT floor the mean of the decode steps', each step the larger of
+its own memory and compute times, since a step cannot start before the one it follows has sampled.
 Rates: ``--measure`` times a 4 GiB bf16 ``clone`` (bytes read plus written) and an 8,192-cube bf16
 matmul on CUDA; otherwise ``--bandwidth-tbs`` and ``--tflops``, by default docs/benchmarks.md's.
 Prints a Markdown table and a ``RESULT {json}`` line per workload.
@@ -34,12 +38,13 @@ import os
 from dataclasses import dataclass
 
 from bench_model import QWEN3_0_6B
-from workloads import WORKLOADS, Workload, make_workload
+from workloads import (LATENCY_BATCH_SIZES, LATENCY_OUTPUT_LEN, LATENCY_PROMPT_LEN, WORKLOADS, Workload,
+                       latency_prompts, make_workload)
 
 # The workloads whose output lengths are known ahead (EOS ignored): json-schema's requests end where
 # their objects do.
 FIXED_LENGTH_WORKLOADS = [name for name in WORKLOADS if name != "json-schema"]
-DOCUMENTED_TBS, DOCUMENTED_TFLOPS = 4.22, 793.0  # docs/benchmarks.md: an H200, measured as --measure does
+DOCUMENTED_TBS, DOCUMENTED_TFLOPS = 4.19, 772.0  # docs/benchmarks.md: an H200, measured as --measure does
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -55,6 +60,15 @@ class ModelShape:
     lm_head_params: int
     norm_params: int
     dtype_bytes: int
+
+    @property
+    def step_weight_bytes(self) -> int:
+        """Every parameter, read once a step."""
+        return (self.layer_params + self.lm_head_params + self.norm_params) * self.dtype_bytes
+
+    def kv_token_bytes(self, kv_cache_dtype: str) -> int:
+        """One token's K/V over all layers in the cache's dtype (``fp8``: one byte a value)."""
+        return self.kv_values_per_token * (1 if kv_cache_dtype == "fp8" else self.dtype_bytes)
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
@@ -101,11 +115,9 @@ def traffic(workload: Workload) -> Traffic:
 def floor(workload: Workload, model: ModelShape, kv_cache_dtype: str, bandwidth_tbs: float, tflops: float) -> dict:
     """The workload's bytes, FLOPs, floor seconds and ceiling output tok/s."""
     t = traffic(workload)
-    kv_token_bytes = model.kv_values_per_token * (1 if kv_cache_dtype == "fp8" else model.dtype_bytes)
-    params_per_step = model.layer_params + model.lm_head_params + model.norm_params
+    kv_token_bytes = model.kv_token_bytes(kv_cache_dtype)
     result = dict(output_tokens=t.output_tokens, steps=t.steps, kv_read_bytes=t.kv_read_tokens * kv_token_bytes,
-                  kv_written_bytes=t.kv_written_tokens * kv_token_bytes,
-                  weight_bytes=t.steps * params_per_step * model.dtype_bytes,
+                  kv_written_bytes=t.kv_written_tokens * kv_token_bytes, weight_bytes=t.steps * model.step_weight_bytes,
                   linear_flops=2 * (model.layer_params * t.kv_written_tokens + model.lm_head_params * t.output_tokens),
                   attention_flops=4 * model.layers * model.heads * model.head_dim * t.attention_pairs)
     memory_s = (result["kv_read_bytes"] + result["kv_written_bytes"] + result["weight_bytes"]) / (bandwidth_tbs * 1e12)
@@ -113,6 +125,25 @@ def floor(workload: Workload, model: ModelShape, kv_cache_dtype: str, bandwidth_
     seconds = max(memory_s, compute_s)
     return {**result, "memory_s": memory_s, "compute_s": compute_s, "floor_s": seconds,
             "ceiling_tok_per_s": t.output_tokens / seconds}
+
+
+def latency_floor(batch_size: int, model: ModelShape, kv_cache_dtype: str, bandwidth_tbs: float, tflops: float,
+                  prompt_len: int = LATENCY_PROMPT_LEN, output_len: int = LATENCY_OUTPUT_LEN) -> dict:
+    """A latency batch's TTFT floor (its prefill step's) and TPOT floor (the mean of its decode steps'), in ms."""
+    prompts = latency_prompts(batch_size, prompt_len)
+    ttft_s = floor(Workload(prompts, [1] * batch_size, prompt_len + 1), model, kv_cache_dtype, bandwidth_tbs,
+                   tflops)["floor_s"]
+    kv_token_bytes = model.kv_token_bytes(kv_cache_dtype)
+    decode_s = 0.0
+    for k in range(2, output_len + 1):
+        # Output k's decode (``traffic``): each request reads its prompt and outputs 1 to k - 2, writes
+        # output k - 1's K/V, and attends over the prompt and outputs 1 to k - 1.
+        memory_bytes = model.step_weight_bytes + batch_size * (prompt_len + k - 1) * kv_token_bytes
+        flops = (2 * batch_size * (model.layer_params + model.lm_head_params)
+                 + 4 * model.layers * model.heads * model.head_dim * batch_size * (prompt_len + k - 1))
+        decode_s += max(memory_bytes / (bandwidth_tbs * 1e12), flops / (tflops * 1e12))
+    return {"batch_size": batch_size, "prompt_len": prompt_len, "output_len": output_len,
+            "ttft_floor_ms": 1000 * ttft_s, "tpot_floor_ms": 1000 * decode_s / (output_len - 1)}
 
 
 def measure_rates() -> tuple[float, float]:
@@ -164,9 +195,17 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def latency_table(results: list[dict]) -> str:
+    rows = ["| batch | prompt / output tokens | TTFT floor ms | TPOT floor ms |", "| ---: | ---: | ---: | ---: |"]
+    rows += [f"| {r['batch_size']} | {r['prompt_len']} / {r['output_len']} | {r['ttft_floor_ms']:.2f} | "
+             f"{r['tpot_floor_ms']:.3f} |" for r in results]
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", nargs="+", choices=FIXED_LENGTH_WORKLOADS, default=FIXED_LENGTH_WORKLOADS)
+    parser.add_argument("--workload", nargs="+", choices=[*FIXED_LENGTH_WORKLOADS, "latency"],
+                        default=[*FIXED_LENGTH_WORKLOADS, "latency"])
     parser.add_argument("--model", help="checkpoint directory whose config.json gives the shape (default: Qwen3-0.6B)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: the model's dtype")
     parser.add_argument("--measure", action="store_true", help="measure the copy and matmul rates on CUDA")
@@ -194,18 +233,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
         source = "given"
     print(f"copy {args.bandwidth_tbs:.2f} TB/s, bf16 matmul {args.tflops:.0f} TFLOP/s ({source}); "
           f"{args.model or 'Qwen3-0.6B'}, KV cache {args.kv_cache_dtype}\n")
-    results = []
+    common = {"benchmark": "floor", "kv_cache_dtype": args.kv_cache_dtype, "bandwidth_tbs": args.bandwidth_tbs,
+              "tflops": args.tflops}
+    results, latencies = [], []
     for name in args.workload:
-        r = {"benchmark": "floor", "workload": name, "kv_cache_dtype": args.kv_cache_dtype,
-             "bandwidth_tbs": args.bandwidth_tbs, "tflops": args.tflops,
+        if name == "latency":
+            latencies = [{**common, "workload": name, **latency_floor(batch_size, model, args.kv_cache_dtype,
+                                                                     args.bandwidth_tbs, args.tflops)}
+                         for batch_size in LATENCY_BATCH_SIZES]
+            continue
+        r = {**common, "workload": name,
              **floor(make_workload(name), model, args.kv_cache_dtype, args.bandwidth_tbs, args.tflops)}
         if name in measured:
             r.update(measured_tok_per_s=measured[name], of_ceiling=measured[name] / r["ceiling_tok_per_s"])
         results.append(r)
-    print(markdown_table(results) + "\n")
-    for r in results:
+    if results:
+        print(markdown_table(results) + "\n")
+    if latencies:
+        print(latency_table(latencies) + "\n")
+    for r in results + latencies:
         print("RESULT " + json.dumps(r))
-    return results
+    return results + latencies
 
 
 if __name__ == "__main__":

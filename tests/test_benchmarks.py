@@ -662,8 +662,26 @@ def test_a_shared_prefix_is_written_once_and_read_once_a_step():
     assert shared["attention_flops"] == apart["attention_flops"] - 4 * 2 * 2 * 4 * (1 + 2 + 3 + 4)
 
 
+def test_latency_floor_counts_a_tiny_batch_by_hand():
+    """Two prompts of 3 tokens, 3 output tokens each: TTFT is the prefill step's floor, TPOT the mean of
+    the two decode steps', each step the larger of its bytes and FLOPs (at 1 a second, as above)."""
+    model = floor.ModelShape.from_config(TINY_CONFIG)
+    compute_bound = floor.latency_floor(2, model, "auto", 1e-12, 1e-12, prompt_len=3, output_len=3)
+    weight_bytes, kv_token_bytes = 1464 * 2, 32
+    # Prefill: 6 tokens through the layers, 2 through the LM head, pairs 1 + 2 + 3 a prompt; 6 K/V written.
+    prefill_flops, prefill_bytes = 2 * (1152 * 6 + 256 * 2) + 64 * 2 * 6, weight_bytes + 6 * kv_token_bytes
+    # Output k = 2, 3: each request reads 3 + k - 2 tokens' K/V, writes one, attends over 3 + k - 1.
+    decode_flops = [2 * 2 * (1152 + 256) + 64 * 2 * (3 + k - 1) for k in (2, 3)]
+    decode_bytes = [weight_bytes + 2 * (3 + k - 1) * kv_token_bytes for k in (2, 3)]
+    assert compute_bound["ttft_floor_ms"] == pytest.approx(1000 * prefill_flops)
+    assert compute_bound["tpot_floor_ms"] == pytest.approx(1000 * sum(decode_flops) / 2)
+    memory_bound = floor.latency_floor(2, model, "auto", 1e-12, 1.0, prompt_len=3, output_len=3)
+    assert memory_bound["ttft_floor_ms"] == pytest.approx(1000 * prefill_bytes)
+    assert memory_bound["tpot_floor_ms"] == pytest.approx(1000 * sum(decode_bytes) / 2)
+
+
 def test_floor_reproduces_the_documented_recipe_and_long_context_figures(capsys):
-    """docs/benchmarks.md's floors at 4.22 TB/s, from the script's command line."""
+    """docs/benchmarks.md's floors at 4.19 TB/s, from the script's command line."""
     import json
 
     results = {r["workload"]: r for r in floor.main(["--workload", "recipe", "long-context", "--measured", "recipe=25316"])}
@@ -677,6 +695,11 @@ def test_floor_reproduces_the_documented_recipe_and_long_context_figures(capsys)
     assert "| recipe | 133,966 | 1,024 | 13.84 + 0.03 | 1.22 |" in out and "| 25,316 | 68% |" in out
     assert [json.loads(line[len("RESULT "):])["workload"] for line in out.splitlines() if line.startswith("RESULT ")] == [
         "recipe", "long-context"]
+    latency = floor.main(["--workload", "latency"])
+    assert [r["batch_size"] for r in latency] == [1, 8, 64]
+    # Batch 1 reads the weights (1.19 GB) and little K/V a decode; its prefill is compute-bound.
+    assert (round(latency[0]["tpot_floor_ms"], 2), round(latency[0]["ttft_floor_ms"], 2)) == (0.30, 0.62)
+    assert "| 1 | 512 / 128 | 0.62 | 0.300 |" in capsys.readouterr().out
     for bad in (["--measured", "recipe=fast"], ["--measured", "chat=10"], ["--workload", "recipe", "--measured",
                                                                              "long-context=3000"]):
         with pytest.raises(SystemExit):
