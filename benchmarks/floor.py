@@ -21,6 +21,8 @@ What it counts, a lower bound for every engine (``workloads.py`` ignores EOS, so
   their K/V fits in an H200's memory.
 - Compute: the linear layers' 2 x params x tokens through them, the LM head's on the sampled tokens
   only, and attention's QK and PV over the causal (query, key) pairs.
+Left out: activations, and the logits that the LM head writes and the sampler reads for each sampled
+token (2 bytes each way a vocabulary entry: 81 GB over the recipe, 0.5% of its floor).
 The floor is the larger of the memory time and the compute time; the ceiling is output tokens over it.
 ``latency`` is the latency batches (1, 8 and 64 prompts of 512 tokens, 128 output tokens each): its
 TTFT floor is the prefill step's, its TPOT floor the mean of the decode steps', each step the larger of
