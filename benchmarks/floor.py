@@ -72,6 +72,14 @@ class ModelShape:
         """One token's K/V over all layers in the cache's dtype (``fp8``: one byte a value)."""
         return self.kv_values_per_token * (1 if kv_cache_dtype == "fp8" else self.dtype_bytes)
 
+    def linear_flops(self, tokens: int, sampled: int) -> int:
+        """``tokens`` through the decoder layers' matmuls, ``sampled`` of them through the LM head."""
+        return 2 * (self.layer_params * tokens + self.lm_head_params * sampled)
+
+    def attention_flops(self, pairs: int) -> int:
+        """QK and PV over ``pairs`` (query, key) pairs, every head of every layer."""
+        return 4 * self.layers * self.heads * self.head_dim * pairs
+
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
         hidden, layers, heads = config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]
@@ -120,8 +128,8 @@ def floor(workload: Workload, model: ModelShape, kv_cache_dtype: str, bandwidth_
     kv_token_bytes = model.kv_token_bytes(kv_cache_dtype)
     result = dict(output_tokens=t.output_tokens, steps=t.steps, kv_read_bytes=t.kv_read_tokens * kv_token_bytes,
                   kv_written_bytes=t.kv_written_tokens * kv_token_bytes, weight_bytes=t.steps * model.step_weight_bytes,
-                  linear_flops=2 * (model.layer_params * t.kv_written_tokens + model.lm_head_params * t.output_tokens),
-                  attention_flops=4 * model.layers * model.heads * model.head_dim * t.attention_pairs)
+                  linear_flops=model.linear_flops(t.kv_written_tokens, t.output_tokens),
+                  attention_flops=model.attention_flops(t.attention_pairs))
     memory_s = (result["kv_read_bytes"] + result["kv_written_bytes"] + result["weight_bytes"]) / (bandwidth_tbs * 1e12)
     compute_s = (result["linear_flops"] + result["attention_flops"]) / (tflops * 1e12)
     seconds = max(memory_s, compute_s)
@@ -141,8 +149,7 @@ def latency_floor(batch_size: int, model: ModelShape, kv_cache_dtype: str, bandw
         # Output k's decode (``traffic``): each request reads its prompt and outputs 1 to k - 2, writes
         # output k - 1's K/V, and attends over the prompt and outputs 1 to k - 1.
         memory_bytes = model.step_weight_bytes + batch_size * (prompt_len + k - 1) * kv_token_bytes
-        flops = (2 * batch_size * (model.layer_params + model.lm_head_params)
-                 + 4 * model.layers * model.heads * model.head_dim * batch_size * (prompt_len + k - 1))
+        flops = model.linear_flops(batch_size, batch_size) + model.attention_flops(batch_size * (prompt_len + k - 1))
         decode_s += max(memory_bytes / (bandwidth_tbs * 1e12), flops / (tflops * 1e12))
     return {"batch_size": batch_size, "prompt_len": prompt_len, "output_len": output_len,
             "ttft_floor_ms": 1000 * ttft_s, "tpot_floor_ms": 1000 * decode_s / (output_len - 1)}
@@ -237,18 +244,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{args.model or 'Qwen3-0.6B'}, KV cache {args.kv_cache_dtype}\n")
     common = {"benchmark": "floor", "kv_cache_dtype": args.kv_cache_dtype, "bandwidth_tbs": args.bandwidth_tbs,
               "tflops": args.tflops}
-    results, latencies = [], []
-    for name in args.workload:
-        if name == "latency":
-            latencies = [{**common, "workload": name, **latency_floor(batch_size, model, args.kv_cache_dtype,
-                                                                     args.bandwidth_tbs, args.tflops)}
-                         for batch_size in LATENCY_BATCH_SIZES]
-            continue
+    results = []
+    for name in [n for n in args.workload if n != "latency"]:
         r = {**common, "workload": name,
              **floor(make_workload(name), model, args.kv_cache_dtype, args.bandwidth_tbs, args.tflops)}
         if name in measured:
             r.update(measured_tok_per_s=measured[name], of_ceiling=measured[name] / r["ceiling_tok_per_s"])
         results.append(r)
+    latencies = [{**common, "workload": "latency",
+                  **latency_floor(batch_size, model, args.kv_cache_dtype, args.bandwidth_tbs, args.tflops)}
+                 for batch_size in LATENCY_BATCH_SIZES if "latency" in args.workload]
     if results:
         print(markdown_table(results) + "\n")
     if latencies:
